@@ -1,0 +1,121 @@
+"""Per-path call counters: served, or fallback by reason slug. Thread-safe, data only.
+
+Counts are made where the work runs (inside the kernels that execute, never in traced Python),
+so torch.compile neither recompiles nor under-counts compiled regions because of them.
+
+``stats().to_dict()`` is exactly::
+
+    {"dense_fwd": {"served": int, "fallback": {reason_slug: int, ...}}, ... all four paths ...}
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .reasons import PATHS
+
+__all__ = ["Stats", "record", "stats", "reset_stats", "log_once", "note_plan"]
+
+log = logging.getLogger("cudnn_sdpa_provider")
+
+_lock = threading.Lock()
+_served = {p: 0 for p in PATHS}
+_fallback: dict[str, dict[str, int]] = {p: {} for p in PATHS}
+_plans: dict[str, str] = {}
+_logged: set = set()
+
+
+def record(path: str, reason: str | None = None) -> None:
+    """Count one call on ``path``: served when ``reason`` is None, else a fallback for ``reason``."""
+    with _lock:
+        if reason is None:
+            _served[path] += 1
+        else:
+            bucket = _fallback[path]
+            bucket[reason] = bucket.get(reason, 0) + 1
+
+
+def note_plan(config: str, plan_name: str) -> None:
+    """Remember which cuDNN plan served a configuration (shown by ``report()``)."""
+    with _lock:
+        _plans[config] = plan_name
+
+
+def log_once(key, level: int, message: str, *args) -> None:
+    """Log ``message`` the first time ``key`` is seen (one line per distinct configuration)."""
+    with _lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    log.log(level, message, *args)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """An immutable snapshot. ``a - b`` (or ``a.diff(b)``) gives the counts of a region."""
+
+    served: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: 0 for p in PATHS}))
+    fallback: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: MappingProxyType({}) for p in PATHS}))
+    plans: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+    def to_dict(self) -> dict:
+        return {p: {"served": int(self.served[p]), "fallback": dict(self.fallback[p])} for p in PATHS}
+
+    def total(self, path: str) -> int:
+        return int(self.served[path]) + sum(self.fallback[path].values())
+
+    def fallbacks(self, path: str) -> int:
+        return sum(self.fallback[path].values())
+
+    def diff(self, earlier: "Stats") -> "Stats":
+        if not isinstance(earlier, Stats):
+            raise TypeError(f"can only subtract Stats, got {type(earlier).__name__}")
+        served = {p: self.served[p] - earlier.served[p] for p in PATHS}
+        fallback = {}
+        for p in PATHS:
+            mine, theirs = self.fallback[p], earlier.fallback[p]
+            delta = {r: mine.get(r, 0) - theirs.get(r, 0) for r in set(mine) | set(theirs)}
+            fallback[p] = MappingProxyType({r: n for r, n in delta.items() if n})
+        return Stats(MappingProxyType(served), MappingProxyType(fallback), self.plans)
+
+    __sub__ = diff
+
+    def rows(self) -> list[tuple[str, int, int, str]]:
+        """(path, served, fallback total, 'reason=n, ...') per path: the data of ``report()``."""
+        out = []
+        for p in PATHS:
+            reasons = ", ".join(f"{r}={n}" for r, n in sorted(self.fallback[p].items(), key=lambda x: (-x[1], x[0])))
+            out.append((p, int(self.served[p]), self.fallbacks(p), reasons or "-"))
+        return out
+
+
+def stats() -> Stats:
+    """A snapshot of the counters since the process started (or the last ``reset_stats()``)."""
+    with _lock:
+        served = MappingProxyType(dict(_served))
+        fallback = MappingProxyType({p: MappingProxyType(dict(_fallback[p])) for p in PATHS})
+        plans = MappingProxyType(dict(_plans))
+    return Stats(served, fallback, plans)
+
+
+def reset_stats() -> None:
+    """Zero every counter (the plan list and the log-once memory are kept)."""
+    with _lock:
+        for p in PATHS:
+            _served[p] = 0
+            _fallback[p] = {}
+
+
+def format_table(s: Stats) -> str:
+    """The report table (plain text). Data comes from ``Stats.rows()``."""
+    rows = [("path", "served", "fallback", "fallback reasons")] + [(p, str(a), str(b), c) for p, a, b, c in s.rows()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
+    if s.plans:
+        lines.append("")
+        lines.append("cuDNN plans:")
+        lines += [f"  {plan}  <- {config}" for config, plan in sorted(s.plans.items())]
+    return "\n".join(lines)

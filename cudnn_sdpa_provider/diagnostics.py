@@ -1,0 +1,185 @@
+"""Data for humans: ``report()``, ``explain()``, and the doctor's rows and GPU self-test.
+
+Everything returns data (strings, lists of tuples, dicts); only ``cli`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from typing import NamedTuple
+
+import torch
+
+from . import activation, counters, engine, support
+from .reasons import Reason
+
+__all__ = ["report", "explain", "DoctorRow", "doctor_rows", "feature_rows", "self_test"]
+
+
+def report(snapshot: "counters.Stats | None" = None) -> str:
+    """The telemetry as a table: path x served / fallback (with reasons), and the plans used."""
+    return counters.format_table(snapshot if snapshot is not None else counters.stats())
+
+
+def explain(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, window=(-1, -1), bottom_right=False,
+            sinks=None, seq_lens_q=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_kv=None,
+            deterministic=None, through_sdpa=True) -> dict[str, list[Reason]]:
+    """The reasons a call would get, forward and backward, without running it.
+
+    Dense (B, H, S, D) or, with ``cu_seqlens_q``, packed (T, H, D). ``through_sdpa=True``
+    (default) describes an F.scaled_dot_product_attention / varlen_attn call, which the provider
+    only sees while enabled; ``False`` describes a direct ``attention()`` call.
+    Returns ``{"dense_fwd": [...], "dense_bwd": [...]}`` (or the varlen paths); empty = served.
+    """
+    window = support.canonical_window(is_causal, window)
+    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    if cu_seqlens_q is not None:
+        if max_seqlen_q is None or max_seqlen_kv is None:
+            raise ValueError("explain() of a packed call needs max_seqlen_q and max_seqlen_kv")
+        problems = [
+            engine.varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, backward=b, window=window,
+                                  bottom_right=bottom_right, sinks=sinks is not None, deterministic=det)
+            for b in (False, True)
+        ]
+    else:
+        problems = [
+            engine.dense_problem(q, k, v, backward=b, window=window, bottom_right=bottom_right,
+                                 sinks=sinks is not None, bias=attn_mask, dropout_p=dropout_p,
+                                 padded=seq_lens_q is not None, deterministic=det)
+            for b in (False, True)
+        ]
+    caps = support.capabilities(q.device.index if q.device.type == "cuda" else None)
+    result = {}
+    for p in problems:
+        found = support.reasons(p, caps)
+        if through_sdpa and not activation.enabled():
+            found.insert(0, Reason("not_enabled", "the provider is not enabled (csp.enable() or CUDNN_SDPA_PROVIDER=1)"))
+        result[p.path] = found
+    return result
+
+
+# -------------------------------------------------------------------------------------- doctor
+
+
+class DoctorRow(NamedTuple):
+    section: str
+    label: str
+    ok: bool | None  # None: informational
+    value: str
+
+
+def _versions(caps: support.Capabilities) -> list[DoctorRow]:
+    from . import __version__
+
+    rows = [
+        DoctorRow("versions", "cudnn-sdpa-provider", None, __version__),
+        DoctorRow("versions", "python", None, platform.python_version()),
+        DoctorRow("versions", "torch", None, torch.__version__),
+        DoctorRow("versions", "CUDA (torch build)", None, str(torch.version.cuda)),
+        DoctorRow("versions", "cuDNN (torch)", None, str(torch.backends.cudnn.version())),
+        DoctorRow("versions", "nvidia-cudnn-frontend", caps.frontend_version is not None or not caps.cuda,
+                  str(caps.frontend_version)),
+        DoctorRow("versions", "cuDNN backend (frontend)", caps.cudnn_version is not None if caps.cuda else None,
+                  support.version_str(caps.cudnn_version)),
+    ]
+    gpu = f"{caps.device_name} (sm_{caps.compute_capability[0]}{caps.compute_capability[1]})" if caps.cuda else "none"
+    rows.append(DoctorRow("device", "GPU", caps.cuda, gpu))
+    if caps.unavailable:
+        rows.append(DoctorRow("device", "cuDNN usable", False, caps.unavailable))
+    return rows
+
+
+def _sample(kind: str, **overrides) -> support.Problem:
+    import torch as t
+
+    base = dict(kind=kind, backward=False, device_type="cuda", dtypes=(t.bfloat16,) * 3, batch=2, h_q=8, h_k=8,
+                h_v=8, s_q=1024, s_kv=1024, d_qk=128, d_v=128)
+    base.update(overrides)
+    return support.Problem(**base)
+
+
+#: (feature, problem) pairs the doctor evaluates against this machine's capability rules.
+FEATURES = (
+    ("dense forward", _sample("dense")),
+    ("dense backward", _sample("dense", backward=True)),
+    ("varlen forward", _sample("varlen")),
+    ("varlen backward", _sample("varlen", backward=True)),
+    ("GQA/MQA", _sample("dense", backward=True, h_k=2, h_v=1)),
+    ("causal / sliding window", _sample("dense", backward=True, window=(256, 0))),
+    ("bottom-right alignment", _sample("dense", backward=True, window=(-1, 0), bottom_right=True, s_q=512)),
+    ("sinks forward", _sample("dense", sinks=True)),
+    ("sinks backward (dense)", _sample("dense", backward=True, sinks=True)),
+    ("sinks backward (varlen)", _sample("varlen", backward=True, sinks=True)),
+    ("padded dense (seq lens)", _sample("dense", backward=True, padded=True)),
+    ("attention bias", _sample("dense", backward=True, bias=True)),
+    ("dropout", _sample("dense", dropout_p=0.1)),
+    ("deterministic backward", _sample("dense", backward=True, deterministic=True)),
+    ("head dim 64", _sample("dense", backward=True, d_qk=64, d_v=64)),
+    ("head dim 192/128", _sample("dense", backward=True, d_qk=192, d_v=128)),
+    ("head dim 256", _sample("dense", backward=True, d_qk=256, d_v=256)),
+    ("float16", _sample("dense", backward=True, dtypes=(torch.float16,) * 3)),
+)
+
+
+def feature_rows(caps: support.Capabilities | None = None) -> list[DoctorRow]:
+    """One row per feature: served on this machine, or the reason it is not."""
+    caps = caps if caps is not None else support.capabilities()
+    rows = []
+    for name, problem in FEATURES:
+        if problem.deterministic:
+            found = support.reasons(problem, caps, deterministic_limit_bytes=8 << 30)
+        else:
+            found = support.reasons(problem, caps)
+        rows.append(DoctorRow("features", name, not found, "served" if not found else f"no: {found[0]}"))
+    return rows
+
+
+def self_test(device: int | None = None) -> list[DoctorRow]:
+    """A few configurations forward+backward on the GPU against an fp32 reference."""
+    from . import reference
+    from .functional import attention
+
+    configs = (
+        ("bf16 causal GQA d128", dict(h=8, hk=2, s=256, d=128, dtype=torch.bfloat16, causal=True)),
+        ("fp16 full d64", dict(h=4, hk=4, s=128, d=64, dtype=torch.float16, causal=False)),
+        ("bf16 window d64", dict(h=4, hk=1, s=200, d=64, dtype=torch.bfloat16, causal=True, window=(31, 0))),
+    )
+    rows = []
+    dev = torch.device("cuda", device if device is not None else torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    for name, c in configs:
+        window = support.canonical_window(c["causal"], c.get("window", (-1, -1)))
+        q = torch.randn(2, c["h"], c["s"], c["d"], device=dev, generator=gen, dtype=c["dtype"]).requires_grad_()
+        k = torch.randn(2, c["hk"], c["s"], c["d"], device=dev, generator=gen, dtype=c["dtype"]).requires_grad_()
+        v = torch.randn(2, c["hk"], c["s"], c["d"], device=dev, generator=gen, dtype=c["dtype"]).requires_grad_()
+        go = torch.randn(2, c["h"], c["s"], c["d"], device=dev, generator=gen, dtype=c["dtype"])
+        before = counters.stats()
+        out = attention(q, k, v, window=window)
+        out.backward(go)
+        served = (counters.stats() - before).served
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref, _ = reference.dense(*leaves, scale=1 / math.sqrt(c["d"]), window=window)
+        ref.backward(go.float())
+        worst = 0.0
+        for got, want in ((out, ref), (q.grad, leaves[0].grad), (k.grad, leaves[1].grad), (v.grad, leaves[2].grad)):
+            worst = max(worst, ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item())
+        tol = 4e-2 if c["dtype"] == torch.bfloat16 else 1e-2
+        ok = worst <= tol and served["dense_fwd"] == 1 and served["dense_bwd"] == 1
+        how = "served" if served["dense_fwd"] == 1 and served["dense_bwd"] == 1 else "NOT served"
+        rows.append(DoctorRow("self-test", name, ok, f"{how}, max rel err {worst:.1e} (tol {tol:.0e})"))
+    return rows
+
+
+def doctor_rows(run_self_test: bool = True) -> list[DoctorRow]:
+    caps = support.capabilities()
+    rows = _versions(caps)
+    rows += feature_rows(caps) if caps.cuda else [DoctorRow("features", "all", False, "no: no_cuda (no CUDA device)")]
+    for slug, message in activation.coexistence():
+        rows.append(DoctorRow("coexistence", slug, False, message))
+    if run_self_test and caps.cuda and not caps.unavailable:
+        try:
+            rows += self_test()
+        except Exception as exc:  # the doctor reports, it does not crash
+            rows.append(DoctorRow("self-test", "run", False, f"{type(exc).__name__}: {exc}"))
+    return rows

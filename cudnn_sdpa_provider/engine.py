@@ -1,0 +1,419 @@
+"""The cuDNN path: check, repair operands, allocate outputs by the layout policy, run the graph.
+
+These functions run on CUDA tensors only and never fall back: when cuDNN cannot serve a call
+they raise ``NotSupportedError`` (before doing any work) with the reason slug. Callers (the
+custom ops, the provider's overrides) decide what a fallback is and record it.
+
+Conventions:
+  dense   q (B, H_q, S_q, D_qk), k (B, H_k, S_kv, D_qk), v (B, H_v, S_kv, D_v), any strides;
+          out (B, H_q, S_q, D_v) in q's dimension order; lse (B, H_q, S_q, 1) fp32 contiguous.
+  varlen  q (T_q, H_q, D_qk), k (T_kv, H_k, D_qk), v (T_kv, H_v, D_v); cu_seqlens (B+1,) int32;
+          out (T_q, H_q, D_v) packed; lse (T_q, H_q) fp32 packed (token-major, like the data).
+  window  FlashAttention (left, right), -1 unbounded; bottom_right aligns the diagonal to the
+          end of each sequence (per sequence when lengths are given).
+  padded  seq_len_q / seq_len_kv (B,) int32 on the device. Rows of out past seq_len_q are 0;
+          rows of dq past seq_len_q and of dk/dv past seq_len_kv are 0. lse there is unspecified.
+  varlen  rows of out/dq past cu_seqlens_q[-1] and of dk/dv past cu_seqlens_kv[-1] are 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import env, graphs, layout, support
+from .errors import NotSupportedError
+from .graphs import UID, BwdKey, Desc, FwdKey
+
+__all__ = [
+    "dense_problem",
+    "varlen_problem",
+    "check",
+    "dense_fwd",
+    "dense_bwd",
+    "varlen_fwd",
+    "varlen_bwd",
+    "seqlen_bucket",
+]
+
+
+# ------------------------------------------------------------------------------------ problems
+
+
+def dense_problem(q, k, v, *, backward=False, window=(-1, -1), bottom_right=False, sinks=False, bias=None,
+                  dropout_p=0.0, padded=False, deterministic=False) -> support.Problem:
+    return support.Problem(
+        kind="dense",
+        backward=backward,
+        device_type=q.device.type,
+        dtypes=(q.dtype, k.dtype, v.dtype),
+        batch=q.shape[0],
+        h_q=q.shape[1],
+        h_k=k.shape[1],
+        h_v=v.shape[1],
+        s_q=q.shape[2],
+        s_kv=k.shape[2],
+        d_qk=q.shape[3],
+        d_v=v.shape[3],
+        window=tuple(window),
+        bottom_right=bottom_right,
+        sinks=bool(sinks),
+        bias=bias is not None,
+        bias_grad=bias is not None and bias.requires_grad and torch.is_grad_enabled(),
+        dropout_p=float(dropout_p),
+        padded=padded,
+        deterministic=deterministic,
+        empty=q.numel() == 0 or k.numel() == 0 or v.numel() == 0,
+    )
+
+
+def varlen_problem(q, k, v, cu_seqlens_q, max_q, max_kv, *, backward=False, window=(-1, -1), bottom_right=False,
+                   sinks=False, deterministic=False) -> support.Problem:
+    extent = max(t.shape[0] * max(t.stride(0), 1) for t in (q, k, v))
+    return support.Problem(
+        kind="varlen",
+        backward=backward,
+        device_type=q.device.type,
+        dtypes=(q.dtype, k.dtype, v.dtype),
+        batch=cu_seqlens_q.shape[0] - 1,
+        h_q=q.shape[1],
+        h_k=k.shape[1],
+        h_v=v.shape[1],
+        s_q=int(max_q),
+        s_kv=int(max_kv),
+        d_qk=q.shape[2],
+        d_v=v.shape[2],
+        window=tuple(window),
+        bottom_right=bottom_right,
+        sinks=bool(sinks),
+        deterministic=deterministic,
+        empty=q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or cu_seqlens_q.shape[0] < 2,
+        ragged_extent=extent,
+    )
+
+
+def _limit_bytes() -> int | None:
+    mb = env.deterministic_workspace_mb()
+    if mb is not None:
+        return mb * 2**20
+    free, _total = torch.cuda.mem_get_info()
+    return free // 2
+
+
+def check(problem: support.Problem, device: torch.device) -> None:
+    """Raise NotSupportedError with the first reason, if any (no work done)."""
+    caps = support.capabilities(device.index if device.type == "cuda" else None)
+    limit = _limit_bytes() if (problem.backward and problem.deterministic and caps.cuda) else None
+    found = support.reasons(problem, caps, deterministic_limit_bytes=limit)
+    if found:
+        raise NotSupportedError(found[0].slug, found[0].message)
+
+
+# ----------------------------------------------------------------------------------- utilities
+
+
+def _desc(t: torch.Tensor) -> Desc:
+    """Dims and strides as cuDNN should see them: a size-1 dim gets the stride it would have if
+    packed (cuDNN rejects 0 and can misread odd strides on dims that are never stepped)."""
+    dims = tuple(t.shape)
+    strides = list(t.stride())
+    for i, size in enumerate(dims):
+        if size == 1:
+            inner = 1
+            for s in dims[i + 1 :]:
+                inner *= s
+            strides[i] = max(inner, 1)
+    return Desc(dims, tuple(strides), t.dtype)
+
+
+def _stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _run(key, buffers: dict) -> str:
+    p = graphs.plan(key)
+    graphs.execute(p, buffers, key.device, _stream(key.device))
+    return p.name
+
+
+def _buffer_for(dst: torch.Tensor) -> torch.Tensor:
+    """``dst`` when cuDNN can write it directly, else a contiguous stand-in copied back later."""
+    return dst if layout.usable(dst) else torch.empty(tuple(dst.shape), dtype=dst.dtype, device=dst.device)
+
+
+def _rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, 1, s, 1) bool: row index >= length (device-side, no sync)."""
+    rows = torch.arange(s, device=lengths.device, dtype=lengths.dtype)
+    return (rows[None, :] >= lengths[:, None]).view(lengths.shape[0], 1, s, 1)
+
+
+def seqlen_bucket(n: int) -> int:
+    """Round a max sequence length up to a power of two: the descriptor's S is only a bound for
+    ragged operands, so bucketing lets one graph serve many batches (PyTorch's MHA does the same)."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _index(t: torch.Tensor, shape) -> torch.Tensor:
+    if t.dtype != torch.int32:
+        raise TypeError(f"sequence lengths must be int32, got {t.dtype}")
+    return t.reshape(shape)
+
+
+# --------------------------------------------------------------------------------------- dense
+
+
+def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None, bias=None,
+              seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, compute_lse=True):
+    """cuDNN forward. Returns (out, lse)."""
+    padded = seq_len_q is not None
+    check(dense_problem(q, k, v, window=window, bottom_right=bottom_right, sinks=sinks is not None, bias=bias,
+                        dropout_p=dropout_p, padded=padded), q.device)
+    b, h, s_q, _ = q.shape
+    d_v = v.shape[3]
+    device = q.device.index
+    qr, kr, vr = layout.repaired(q), layout.repaired(k), layout.repaired(v)
+    out = layout.dense_out(q, (b, h, s_q, d_v))
+    out_buf = _buffer_for(out)
+    lse = torch.empty((b, h, s_q, 1), dtype=torch.float32, device=q.device)
+    buffers = {UID.Q: qr, UID.K: kr, UID.V: vr, UID.O: out_buf}
+    if compute_lse:
+        buffers[UID.LSE] = lse
+    bias_desc = None
+    if bias is not None:
+        bias = layout.repaired(bias.to(q.dtype))
+        bias_desc = _desc(bias)
+        buffers[UID.BIAS] = bias
+    if padded:
+        buffers[UID.SEQ_Q] = _index(seq_len_q, (b, 1, 1, 1))
+        buffers[UID.SEQ_KV] = _index(seq_len_kv, (b, 1, 1, 1))
+    if sinks is not None:
+        buffers[UID.SINK] = sinks.reshape(1, h, 1, 1).float().contiguous()
+    if dropout_p > 0.0:
+        buffers[UID.SEED] = philox[0:1].reshape(1, 1, 1, 1)
+        buffers[UID.OFFSET] = philox[1:2].reshape(1, 1, 1, 1)
+    key = FwdKey(
+        device=device,
+        q=_desc(qr),
+        k=_desc(kr),
+        v=_desc(vr),
+        o=_desc(out_buf),
+        lse=_desc(lse) if compute_lse else None,
+        scale=float(scale),
+        window=tuple(window),
+        bottom_right=bool(bottom_right),
+        sinks=sinks is not None,
+        bias=bias_desc,
+        padded=padded,
+        dropout_p=float(dropout_p),
+    )
+    _run(key, buffers)
+    if out_buf is not out:
+        out.copy_(out_buf)
+    if padded:
+        out.masked_fill_(_rows_past(seq_len_q, s_q), 0)
+    return out, lse
+
+
+def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None,
+              bias=None, seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, deterministic=False):
+    """cuDNN backward. Returns (dq, dk, dv, dsinks or None)."""
+    padded = seq_len_q is not None
+    check(dense_problem(q, k, v, backward=True, window=window, bottom_right=bottom_right, sinks=sinks is not None,
+                        bias=bias, dropout_p=dropout_p, padded=padded, deterministic=deterministic), q.device)
+    b, h, s_q, _ = q.shape
+    s_kv = k.shape[2]
+    device = q.device.index
+    qr, kr, vr, outr = (layout.repaired(t) for t in (q, k, v, out))
+    do = grad_out
+    if not layout.usable(do):  # match dO to the (repaired) O: same dims, same order
+        do = torch.empty_like(outr).copy_(grad_out)
+    lse = lse if lse.is_contiguous() else lse.contiguous()  # cuDNN < 9.26 misreads non-packed stats
+    dq, dk, dv = layout.grad_like(q), layout.grad_like(k), layout.grad_like(v)
+    dq_buf, dk_buf, dv_buf = _buffer_for(dq), _buffer_for(dk), _buffer_for(dv)
+    buffers = {
+        UID.Q: qr, UID.K: kr, UID.V: vr, UID.O: outr, UID.DO: do, UID.LSE: lse,
+        UID.DQ: dq_buf, UID.DK: dk_buf, UID.DV: dv_buf,
+    }
+    bias_desc = None
+    if bias is not None:
+        bias = layout.repaired(bias.to(q.dtype))
+        bias_desc = _desc(bias)
+        buffers[UID.BIAS] = bias
+    if padded:
+        buffers[UID.SEQ_Q] = _index(seq_len_q, (b, 1, 1, 1))
+        buffers[UID.SEQ_KV] = _index(seq_len_kv, (b, 1, 1, 1))
+    dsinks = None
+    if sinks is not None:
+        buffers[UID.SINK] = sinks.reshape(1, h, 1, 1).float().contiguous()
+        dsinks = torch.zeros((1, h, 1, 1), dtype=torch.float32, device=q.device)
+        buffers[UID.DSINK] = dsinks
+    if dropout_p > 0.0:
+        buffers[UID.SEED] = philox[0:1].reshape(1, 1, 1, 1)
+        buffers[UID.OFFSET] = philox[1:2].reshape(1, 1, 1, 1)
+    key = BwdKey(
+        device=device,
+        q=_desc(qr),
+        k=_desc(kr),
+        v=_desc(vr),
+        o=_desc(outr),
+        do=_desc(do),
+        lse=_desc(lse),
+        dq=_desc(dq_buf),
+        dk=_desc(dk_buf),
+        dv=_desc(dv_buf),
+        scale=float(scale),
+        window=tuple(window),
+        bottom_right=bool(bottom_right),
+        sinks=sinks is not None,
+        bias=bias_desc,
+        padded=padded,
+        dropout_p=float(dropout_p),
+        deterministic=bool(deterministic),
+    )
+    _run(key, buffers)
+    for dst, buf in ((dq, dq_buf), (dk, dk_buf), (dv, dv_buf)):
+        if buf is not dst:
+            dst.copy_(buf)
+    if padded:
+        dq.masked_fill_(_rows_past(seq_len_q, s_q), 0)
+        past_kv = _rows_past(seq_len_kv, s_kv)
+        dk.masked_fill_(past_kv, 0)
+        dv.masked_fill_(past_kv, 0)
+    return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)
+
+
+# -------------------------------------------------------------------------------------- varlen
+
+
+def _packed_operand(t: torch.Tensor) -> torch.Tensor:
+    """A (T, H, D) operand cuDNN can read as ragged: token-major, head dim innermost, aligned."""
+    if layout.usable(t) and t.stride(0) >= t.stride(1) * t.shape[1] and t.stride(1) >= t.shape[2]:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def _ragged_desc(t: torch.Tensor, batch: int, s_max: int) -> Desc:
+    """(T, H, D) with token stride ts, head stride hs -> nominal (B, H, S_max, D) for cuDNN.
+
+    The batch stride is never stepped (ragged offsets give each sequence's base), so it is the
+    packed extent of one full sequence, as in cuDNN's own THD samples."""
+    ts, hs, ds = t.stride()
+    return Desc((batch, t.shape[1], s_max, t.shape[2]), (s_max * ts, hs, ts, ds), t.dtype)
+
+
+def _lse_desc(h: int, batch: int, s_max: int) -> Desc:
+    # lse (T, H) fp32, token-major: element (t, h) at t * H + h.
+    return Desc((batch, h, s_max, 1), (s_max * h, 1, h, 1), torch.float32)
+
+
+def _offsets(cu: torch.Tensor, stride: int, cache: dict) -> torch.Tensor:
+    """Ragged offset in elements: cu_seqlens * token stride (device-side; equal strides share)."""
+    found = cache.get(stride)
+    if found is None:
+        found = cache[stride] = (cu * stride).view(-1, 1, 1, 1)
+    return found
+
+
+def _check_cu(cu: torch.Tensor, name: str) -> None:
+    if cu.dtype != torch.int32 or cu.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int32 tensor of prefix sums, got {cu.dtype} with shape {tuple(cu.shape)}")
+
+
+def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_kv: int, *, scale: float,
+               window=(-1, -1), bottom_right=False, sinks=None):
+    """cuDNN varlen forward. Returns (out (T_q, H_q, D_v), lse (T_q, H_q) fp32)."""
+    _check_cu(cu_seqlens_q, "cu_seqlens_q")
+    _check_cu(cu_seqlens_kv, "cu_seqlens_kv")
+    check(varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, window=window,
+                         bottom_right=bottom_right, sinks=sinks is not None), q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    t_q, h, _ = q.shape
+    d_v = v.shape[2]
+    sq, skv = seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_kv)
+    qr, kr, vr = _packed_operand(q), _packed_operand(k), _packed_operand(v)
+    out = torch.zeros((t_q, h, d_v), dtype=q.dtype, device=q.device)
+    lse = torch.zeros((t_q, h), dtype=torch.float32, device=q.device)
+    cq, ckv = {}, {}
+    buffers = {
+        UID.Q: qr, UID.K: kr, UID.V: vr, UID.O: out, UID.LSE: lse,
+        UID.SEQ_Q: (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).view(batch, 1, 1, 1),
+        UID.SEQ_KV: (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).view(batch, 1, 1, 1),
+        UID.RAG_Q: _offsets(cu_seqlens_q, qr.stride(0), cq),
+        UID.RAG_K: _offsets(cu_seqlens_kv, kr.stride(0), ckv),
+        UID.RAG_V: _offsets(cu_seqlens_kv, vr.stride(0), ckv),
+        UID.RAG_O: _offsets(cu_seqlens_q, out.stride(0), cq),
+        UID.RAG_LSE: _offsets(cu_seqlens_q, h, cq),
+    }
+    if sinks is not None:
+        buffers[UID.SINK] = sinks.reshape(1, h, 1, 1).float().contiguous()
+    key = FwdKey(
+        device=q.device.index,
+        q=_ragged_desc(qr, batch, sq),
+        k=_ragged_desc(kr, batch, skv),
+        v=_ragged_desc(vr, batch, skv),
+        o=_ragged_desc(out, batch, sq),
+        lse=_lse_desc(h, batch, sq),
+        scale=float(scale),
+        window=tuple(window),
+        bottom_right=bool(bottom_right),
+        sinks=sinks is not None,
+        ragged=True,
+    )
+    _run(key, buffers)
+    return out, lse
+
+
+def varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_kv: int, *,
+               scale: float, window=(-1, -1), bottom_right=False, sinks=None, deterministic=False):
+    """cuDNN varlen backward. ``lse`` is (T_q, H_q) fp32. Returns (dq, dk, dv, dsinks or None)."""
+    _check_cu(cu_seqlens_q, "cu_seqlens_q")
+    _check_cu(cu_seqlens_kv, "cu_seqlens_kv")
+    check(varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, backward=True, window=window,
+                         bottom_right=bottom_right, sinks=sinks is not None, deterministic=deterministic), q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    h = q.shape[1]
+    sq, skv = seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_kv)
+    qr, kr, vr, outr, do = (_packed_operand(t) for t in (q, k, v, out, grad_out))
+    lse = lse.contiguous()
+    dq, dk, dv = (torch.zeros(tuple(t.shape), dtype=t.dtype, device=t.device) for t in (q, k, v))
+    cq, ckv = {}, {}
+    buffers = {
+        UID.Q: qr, UID.K: kr, UID.V: vr, UID.O: outr, UID.DO: do, UID.LSE: lse,
+        UID.DQ: dq, UID.DK: dk, UID.DV: dv,
+        UID.SEQ_Q: (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).view(batch, 1, 1, 1),
+        UID.SEQ_KV: (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).view(batch, 1, 1, 1),
+        UID.RAG_Q: _offsets(cu_seqlens_q, qr.stride(0), cq),
+        UID.RAG_K: _offsets(cu_seqlens_kv, kr.stride(0), ckv),
+        UID.RAG_V: _offsets(cu_seqlens_kv, vr.stride(0), ckv),
+        UID.RAG_O: _offsets(cu_seqlens_q, outr.stride(0), cq),
+        UID.RAG_DO: _offsets(cu_seqlens_q, do.stride(0), cq),
+        UID.RAG_LSE: _offsets(cu_seqlens_q, h, cq),
+        UID.RAG_DQ: _offsets(cu_seqlens_q, dq.stride(0), cq),
+        UID.RAG_DK: _offsets(cu_seqlens_kv, dk.stride(0), ckv),
+        UID.RAG_DV: _offsets(cu_seqlens_kv, dv.stride(0), ckv),
+    }
+    dsinks = None
+    if sinks is not None:
+        buffers[UID.SINK] = sinks.reshape(1, h, 1, 1).float().contiguous()
+        dsinks = torch.zeros((1, h, 1, 1), dtype=torch.float32, device=q.device)
+        buffers[UID.DSINK] = dsinks
+    key = BwdKey(
+        device=q.device.index,
+        q=_ragged_desc(qr, batch, sq),
+        k=_ragged_desc(kr, batch, skv),
+        v=_ragged_desc(vr, batch, skv),
+        o=_ragged_desc(outr, batch, sq),
+        do=_ragged_desc(do, batch, sq),
+        lse=_lse_desc(h, batch, sq),
+        dq=_ragged_desc(dq, batch, sq),
+        dk=_ragged_desc(dk, batch, skv),
+        dv=_ragged_desc(dv, batch, skv),
+        scale=float(scale),
+        window=tuple(window),
+        bottom_right=bool(bottom_right),
+        sinks=sinks is not None,
+        ragged=True,
+        deterministic=bool(deterministic),
+    )
+    _run(key, buffers)
+    return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)

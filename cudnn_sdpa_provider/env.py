@@ -1,0 +1,120 @@
+"""The only reader of ``os.environ``. Parsing is pure; bad values warn and fall back to defaults.
+
+====================================================  ==========================================
+Variable                                              Meaning
+====================================================  ==========================================
+``CUDNN_SDPA_PROVIDER``                               ``1`` (or on/true/yes) enable at startup,
+                                                      ``strict`` enable in strict mode, ``0``
+                                                      (or off/false/no/empty) leave off.
+``CUDNN_SDPA_PROVIDER_REPORT``                        Path: write the telemetry JSON at exit.
+``CUDNN_SDPA_PROVIDER_LOG``                           ``warning`` (default), ``info``, ``debug``:
+                                                      level of the ``cudnn_sdpa_provider`` logger.
+``CUDNN_SDPA_PROVIDER_CACHE_SIZE``                    Graphs kept per thread (LRU), default 256.
+``CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB``    Limit for the O(S^2) deterministic-backward
+                                                      workspace of cuDNN < 9.25; default: half of
+                                                      the device's free memory.
+====================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import NamedTuple
+
+__all__ = [
+    "ACTIVATION",
+    "REPORT",
+    "LOG",
+    "CACHE_SIZE",
+    "DETERMINISTIC_WORKSPACE_MB",
+    "Parsed",
+    "parse_activation",
+    "parse_log_level",
+    "parse_positive_int",
+    "activation",
+    "report_path",
+    "log_level",
+    "cache_size",
+    "deterministic_workspace_mb",
+]
+
+ACTIVATION = "CUDNN_SDPA_PROVIDER"
+REPORT = "CUDNN_SDPA_PROVIDER_REPORT"
+LOG = "CUDNN_SDPA_PROVIDER_LOG"
+CACHE_SIZE = "CUDNN_SDPA_PROVIDER_CACHE_SIZE"
+DETERMINISTIC_WORKSPACE_MB = "CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB"
+
+_ON = ("1", "on", "true", "yes")
+_OFF = ("", "0", "off", "false", "no")
+_LEVELS = ("warning", "info", "debug")
+DEFAULT_CACHE_SIZE = 256
+
+
+class Parsed(NamedTuple):
+    value: object
+    warning: str | None
+
+
+def parse_activation(raw: str | None) -> Parsed:
+    """``"off"``, ``"on"`` or ``"strict"``; anything else is off, with a warning naming the valid values."""
+    text = (raw or "").strip().lower()
+    if text in _OFF:
+        return Parsed("off", None)
+    if text in _ON:
+        return Parsed("on", None)
+    if text == "strict":
+        return Parsed("strict", None)
+    return Parsed(
+        "off",
+        f"{ACTIVATION}={raw!r} is not a valid value; use 1 (enable), strict (enable, raise on fallback) "
+        "or 0 (off). The provider stays off.",
+    )
+
+
+def parse_log_level(raw: str | None) -> Parsed:
+    text = (raw or "").strip().lower()
+    if text == "":
+        return Parsed(None, None)
+    if text in _LEVELS:
+        return Parsed(text, None)
+    return Parsed(None, f"{LOG}={raw!r} is not a valid value; use one of {list(_LEVELS)}.")
+
+
+def parse_positive_int(name: str, raw: str | None, default: int | None) -> Parsed:
+    text = (raw or "").strip()
+    if text == "":
+        return Parsed(default, None)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        return Parsed(default, f"{name}={raw!r} is not a positive integer; using {default}.")
+    return Parsed(value, None)
+
+
+def _read(parsed: Parsed) -> object:
+    if parsed.warning:
+        warnings.warn(parsed.warning, RuntimeWarning, stacklevel=3)
+    return parsed.value
+
+
+def activation() -> str:
+    return _read(parse_activation(os.environ.get(ACTIVATION)))  # type: ignore[return-value]
+
+
+def report_path() -> str | None:
+    return (os.environ.get(REPORT) or "").strip() or None
+
+
+def log_level() -> str | None:
+    return _read(parse_log_level(os.environ.get(LOG)))  # type: ignore[return-value]
+
+
+def cache_size() -> int:
+    return _read(parse_positive_int(CACHE_SIZE, os.environ.get(CACHE_SIZE), DEFAULT_CACHE_SIZE))  # type: ignore[return-value]
+
+
+def deterministic_workspace_mb() -> int | None:
+    return _read(parse_positive_int(DETERMINISTIC_WORKSPACE_MB, os.environ.get(DETERMINISTIC_WORKSPACE_MB), None))  # type: ignore[return-value]

@@ -1,0 +1,374 @@
+"""The only module that imports ``cudnn``: graph keys, graph builds, the bounded cache, handles.
+
+A graph is described by a frozen key (every dim, stride, dtype and option that changes the
+graph; never a pointer or a value). ``plan(key)`` returns the built graph from a per-thread LRU
+cache, building it on a miss. cuDNN execution plans are not guaranteed thread-safe across engines
+(PyTorch keeps its MHA graph caches thread-local for the same reason), so each thread has its own
+cache and its own cuDNN handle per device; builds therefore never contend. ``execute`` binds the
+handle to the caller's current CUDA stream and runs the plan with fixed tensor uids.
+
+cuDNN's rejections (``cudnnGraphNotSupportedError``, ``ValueError`` on bad attributes, or any
+error during validate/build) become ``NotSupportedError("graph_not_supported", <cuDNN message>)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from . import env
+from .errors import NotSupportedError
+from .support import cudnn_bounds
+
+try:  # importing cudnn never needs a GPU; the backend library is dlopen'ed lazily
+    import cudnn
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - exercised on machines without the frontend
+    cudnn = None  # type: ignore[assignment]
+    _IMPORT_ERROR = f"nvidia-cudnn-frontend is not importable: {exc!r}"
+
+log = logging.getLogger("cudnn_sdpa_provider")
+
+__all__ = [
+    "Desc",
+    "FwdKey",
+    "BwdKey",
+    "Plan",
+    "UID",
+    "backend_info",
+    "plan",
+    "execute",
+    "cache_info",
+    "clear_cache",
+]
+
+
+class UID(IntEnum):
+    Q = 1
+    K = 2
+    V = 3
+    O = 4  # noqa: E741
+    LSE = 5
+    DO = 6
+    DQ = 7
+    DK = 8
+    DV = 9
+    SEQ_Q = 10
+    SEQ_KV = 11
+    SINK = 12
+    DSINK = 13
+    BIAS = 14
+    SEED = 15
+    OFFSET = 16
+    RAG_Q = 17
+    RAG_K = 18
+    RAG_V = 19
+    RAG_O = 20
+    RAG_LSE = 21
+    RAG_DO = 22
+    RAG_DQ = 23
+    RAG_DK = 24
+    RAG_DV = 25
+
+
+@dataclass(frozen=True)
+class Desc:
+    """A tensor as cuDNN sees it: dims and strides (elements), plus its dtype."""
+
+    dims: tuple
+    strides: tuple
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class FwdKey:
+    device: int
+    q: Desc
+    k: Desc
+    v: Desc
+    o: Desc
+    lse: Desc | None
+    scale: float
+    window: tuple
+    bottom_right: bool
+    sinks: bool = False
+    bias: Desc | None = None
+    padded: bool = False
+    ragged: bool = False
+    dropout_p: float = 0.0
+
+
+@dataclass(frozen=True)
+class BwdKey:
+    device: int
+    q: Desc
+    k: Desc
+    v: Desc
+    o: Desc
+    do: Desc
+    lse: Desc
+    dq: Desc
+    dk: Desc
+    dv: Desc
+    scale: float
+    window: tuple
+    bottom_right: bool
+    sinks: bool = False
+    bias: Desc | None = None
+    padded: bool = False
+    ragged: bool = False
+    dropout_p: float = 0.0
+    deterministic: bool = False
+
+
+@dataclass
+class Plan:
+    graph: object
+    workspace: int
+    name: str
+
+
+def backend_info() -> tuple[str | None, int | None, str | None]:
+    """(frontend version, cuDNN backend version, why cuDNN is unusable or None)."""
+    if cudnn is None:
+        return None, None, _IMPORT_ERROR
+    frontend = getattr(cudnn, "__version__", None)
+    if not torch.backends.cudnn.is_available():
+        # Do not let the frontend dlopen a library torch could not load: a partial cuDNN
+        # install aborts the process on the first backend call (FACTS.md 3).
+        return frontend, None, "PyTorch cannot load a cuDNN library on this machine"
+    try:
+        return frontend, int(cudnn.backend_version()), None
+    except Exception as exc:
+        return frontend, None, f"the cuDNN backend library cannot be loaded: {exc}"
+
+
+# --------------------------------------------------------------------------- handles and caches
+
+_tls = threading.local()
+_builds_lock = threading.Lock()
+_builds = {"built": 0, "rejected": 0}
+
+
+def _state():
+    state = getattr(_tls, "state", None)
+    if state is None:
+        state = _tls.state = {"handles": {}, "plans": OrderedDict(), "capacity": env.cache_size()}
+    return state
+
+
+def _handle(device: int):
+    handles = _state()["handles"]
+    h = handles.get(device)
+    if h is None:
+        with torch.cuda.device(device):
+            h = cudnn.create_handle()
+        handles[device] = h
+    return h
+
+
+def cache_info() -> dict:
+    """This thread's cache size and capacity, and the process-wide build counts."""
+    state = _state()
+    with _builds_lock:
+        counts = dict(_builds)
+    return {"size": len(state["plans"]), "capacity": state["capacity"], **counts}
+
+
+def clear_cache() -> None:
+    """Drop this thread's built graphs (handles are kept)."""
+    _state()["plans"].clear()
+
+
+def set_capacity(n: int) -> None:
+    """Bound this thread's cache to ``n`` graphs (tests; the default comes from the environment)."""
+    if not isinstance(n, int) or n <= 0:
+        raise ValueError(f"cache capacity must be a positive int, got {n!r}")
+    state = _state()
+    state["capacity"] = n
+    while len(state["plans"]) > n:
+        state["plans"].popitem(last=False)
+
+
+def plan(key) -> Plan:
+    """The built graph for ``key`` (this thread's LRU cache; built on a miss)."""
+    state = _state()
+    plans = state["plans"]
+    found = plans.get(key)
+    if found is not None:
+        plans.move_to_end(key)
+        if isinstance(found, NotSupportedError):
+            raise found
+        return found
+    try:
+        built = _build(key, _handle(key.device))
+    except NotSupportedError as exc:
+        built = exc  # remember rejections too: a rejected key is not rebuilt on every call
+    with _builds_lock:
+        _builds["rejected" if isinstance(built, NotSupportedError) else "built"] += 1
+    plans[key] = built
+    while len(plans) > state["capacity"]:
+        plans.popitem(last=False)
+    if isinstance(built, NotSupportedError):
+        raise built
+    return built
+
+
+def execute(p: Plan, buffers: dict, device: int, stream: int) -> None:
+    """Run ``p`` on ``buffers`` ({UID: tensor}) on the given CUDA stream handle."""
+    handle = _handle(device)
+    cudnn.set_stream(handle=handle, stream=stream)
+    workspace = torch.empty(p.workspace, dtype=torch.uint8, device=torch.device("cuda", device)) if p.workspace else None
+    p.graph.execute(buffers, workspace, handle=handle)
+
+
+# --------------------------------------------------------------------------------- graph builds
+
+_IO = {}
+
+
+def _dt(dtype: torch.dtype):
+    if not _IO:
+        _IO.update(
+            {
+                torch.float16: cudnn.data_type.HALF,
+                torch.bfloat16: cudnn.data_type.BFLOAT16,
+                torch.float32: cudnn.data_type.FLOAT,
+                torch.int32: cudnn.data_type.INT32,
+                torch.int64: cudnn.data_type.INT64,
+            }
+        )
+    return _IO[dtype]
+
+
+def _tensor(g, uid: UID, d: Desc):
+    return g.tensor(name=uid.name.lower(), dim=list(d.dims), stride=list(d.strides), data_type=_dt(d.dtype), uid=int(uid))
+
+
+def _index_tensor(g, uid: UID, n: int):
+    return g.tensor(name=uid.name.lower(), dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32, uid=int(uid))
+
+
+def _output(t, uid: UID, d: Desc):
+    t.set_output(True).set_uid(int(uid)).set_dim(list(d.dims)).set_stride(list(d.strides)).set_data_type(_dt(d.dtype))
+    return t
+
+
+def _mask_kwargs(g, key) -> dict:
+    left, right = cudnn_bounds(key.window)
+    kw = {
+        "attn_scale": float(key.scale),
+        "diagonal_alignment": (
+            cudnn.diagonal_alignment.BOTTOM_RIGHT if key.bottom_right else cudnn.diagonal_alignment.TOP_LEFT
+        ),
+        "diagonal_band_left_bound": left,
+        "diagonal_band_right_bound": right,
+    }
+    batch = key.q.dims[0]
+    if key.padded or key.ragged:
+        kw["use_padding_mask"] = True
+        kw["seq_len_q"] = _index_tensor(g, UID.SEQ_Q, batch)
+        kw["seq_len_kv"] = _index_tensor(g, UID.SEQ_KV, batch)
+    if key.sinks:
+        h = key.q.dims[1]
+        kw["sink_token"] = g.tensor(name="sink", dim=[1, h, 1, 1], stride=[h, 1, 1, 1], data_type=cudnn.data_type.FLOAT, uid=int(UID.SINK))
+    if key.bias is not None:
+        kw["bias"] = _tensor(g, UID.BIAS, key.bias)
+    if key.dropout_p > 0.0:
+        seed = g.tensor(name="seed", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=int(UID.SEED))
+        offset = g.tensor(name="offset", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=int(UID.OFFSET))
+        kw["dropout"] = (float(key.dropout_p), seed, offset)
+    return kw
+
+
+def _ragged(g, t, uid: UID, batch: int):
+    t.set_ragged_offset(_index_tensor(g, uid, batch + 1))
+
+
+def _new_graph(key, handle):
+    return cudnn.pygraph(
+        io_data_type=_dt(key.q.dtype),
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        handle=handle,
+    )
+
+
+def _build_fwd(key: FwdKey, handle):
+    g = _new_graph(key, handle)
+    q, k, v = _tensor(g, UID.Q, key.q), _tensor(g, UID.K, key.k), _tensor(g, UID.V, key.v)
+    batch = key.q.dims[0]
+    if key.ragged:
+        _ragged(g, q, UID.RAG_Q, batch)
+        _ragged(g, k, UID.RAG_K, batch)
+        _ragged(g, v, UID.RAG_V, batch)
+    o, stats = g.sdpa(q, k, v, generate_stats=key.lse is not None, **_mask_kwargs(g, key))
+    _output(o, UID.O, key.o)
+    if key.ragged:
+        _ragged(g, o, UID.RAG_O, batch)
+    if key.lse is not None:
+        _output(stats, UID.LSE, key.lse)
+        if key.ragged:
+            _ragged(g, stats, UID.RAG_LSE, batch)
+    return g
+
+
+def _build_bwd(key: BwdKey, handle):
+    g = _new_graph(key, handle)
+    q, k, v = _tensor(g, UID.Q, key.q), _tensor(g, UID.K, key.k), _tensor(g, UID.V, key.v)
+    o, do, lse = _tensor(g, UID.O, key.o), _tensor(g, UID.DO, key.do), _tensor(g, UID.LSE, key.lse)
+    batch = key.q.dims[0]
+    if key.ragged:
+        for t, uid in ((q, UID.RAG_Q), (k, UID.RAG_K), (v, UID.RAG_V), (o, UID.RAG_O), (do, UID.RAG_DO), (lse, UID.RAG_LSE)):
+            _ragged(g, t, uid, batch)
+    kw = _mask_kwargs(g, key)
+    if key.sinks:
+        h = key.q.dims[1]
+        kw["dSink_token"] = g.tensor(name="dsink", dim=[1, h, 1, 1], stride=[h, 1, 1, 1], data_type=cudnn.data_type.FLOAT, uid=int(UID.DSINK))
+    dq, dk, dv = g.sdpa_backward(q, k, v, o, do, lse, use_deterministic_algorithm=bool(key.deterministic), **kw)
+    _output(dq, UID.DQ, key.dq)
+    _output(dk, UID.DK, key.dk)
+    _output(dv, UID.DV, key.dv)
+    if key.ragged:
+        _ragged(g, dq, UID.RAG_DQ, batch)
+        _ragged(g, dk, UID.RAG_DK, batch)
+        _ragged(g, dv, UID.RAG_DV, batch)
+    return g
+
+
+def _plan_name(g) -> str:
+    try:
+        return str(g.get_plan_name_at_index(int(getattr(g, "_plan_index", 0) or 0)))
+    except Exception:  # best effort: names are telemetry, not behaviour
+        return "unknown"
+
+
+def _build(key, handle) -> Plan:
+    if cudnn is None:
+        raise NotSupportedError("cudnn_unavailable", _IMPORT_ERROR or "cudnn is not importable")
+    try:
+        with torch.cuda.device(key.device):
+            g = _build_bwd(key, handle) if isinstance(key, BwdKey) else _build_fwd(key, handle)
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            g.check_support()
+            g.build_plans()
+            workspace = int(g.get_workspace_size())
+    except NotSupportedError:
+        raise
+    except Exception as exc:
+        # cudnnGraphNotSupportedError derives from plain Exception, bad attributes raise
+        # ValueError: either way cuDNN will not run this graph; the provider falls back.
+        message = f"{type(exc).__name__}: {exc}".strip()
+        log.info("cuDNN rejected %s graph: %s", "backward" if isinstance(key, BwdKey) else "forward", message)
+        raise NotSupportedError("graph_not_supported", message) from None
+    name = _plan_name(g)
+    log.info("built cuDNN %s graph, plan %s, workspace %d bytes: %s", "bwd" if isinstance(key, BwdKey) else "fwd", name, workspace, key)
+    return Plan(graph=g, workspace=workspace, name=name)

@@ -1,0 +1,97 @@
+"""The one layout policy, shared by the real kernels and the fake (meta) kernels.
+
+Outputs are a pure function of the inputs' sizes and strides, so a FakeTensor gets exactly the
+strides the real kernel returns:
+
+* dense ``O`` follows ``q``'s dimension order (the rule of aten's meta kernel for
+  ``_scaled_dot_product_cudnn_attention``, so the provider's overrides match compiled code);
+* dense ``dQ/dK/dV`` are ``empty_like(q/k/v)`` (aten's backward meta rule);
+* varlen outputs are packed and contiguous.
+
+cuDNN itself needs more than any layout: the innermost (head-dim) stride must be 1 and the base
+pointer and every stride 16-byte aligned, otherwise it reads the wrong elements silently
+(FACTS.md 3). ``usable`` checks that, ``repaired`` copies an operand that fails it. Where the
+policy's output layout is not usable (a head dim that is not innermost), the kernel computes into
+a usable buffer and copies into the policy's layout; that choice again depends only on strides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dense_out", "grad_like", "packed", "usable", "repaired", "strides_usable"]
+
+_ALIGN = 16
+
+
+def _matching_strides(ref_strides, shape) -> list[int]:
+    # aten/_meta_registrations.py alloc_with_matching_layout: order dims by the reference's
+    # strides, largest first (Python's sort is stable, so ties keep dim order).
+    order = sorted(range(4), key=lambda i: ref_strides[i], reverse=True)
+    strides = [0] * 4
+    running = 1
+    for i in reversed(order):
+        strides[i] = running
+        running *= shape[i]
+    return strides
+
+
+def dense_out(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    """Output of shape (B, H, S_q, D_v) in ``q``'s dimension order (aten's meta rule)."""
+    dtype = q.dtype if dtype is None else dtype
+    if tuple(q.shape) == tuple(shape):
+        return torch.empty_like(q, dtype=dtype)
+    return torch.empty_strided(tuple(shape), _matching_strides(q.stride(), shape), dtype=dtype, device=q.device)
+
+
+def grad_like(t: torch.Tensor) -> torch.Tensor:
+    """Gradient buffer for an operand: ``empty_like`` (aten's backward meta rule)."""
+    return torch.empty_like(t)
+
+
+def packed(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """Contiguous packed buffer (varlen outputs)."""
+    return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def strides_usable(t: torch.Tensor) -> bool:
+    """Innermost stride 1, every other stride of a dim with extent > 1 nonzero and 16-byte aligned."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return False
+    item = t.element_size()
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        if size > 1 and (stride <= 0 or (stride * item) % _ALIGN):
+            return False
+    return True
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether cuDNN can read ``t`` as declared by its sizes and strides."""
+    return strides_usable(t) and t.data_ptr() % _ALIGN == 0
+
+
+def _aligned_empty(t: torch.Tensor) -> torch.Tensor:
+    """Fresh buffer shaped like ``t``: ``t``'s order of the outer dims, the last dim innermost and
+    padded so that every stride is 16-byte aligned (a bias with S_kv % 8 != 0 needs this)."""
+    shape = tuple(t.shape)
+    n = len(shape)
+    per = max(_ALIGN // t.element_size(), 1)
+    inner = shape[-1] if n == 1 else -(-shape[-1] // per) * per
+    outer = sorted(range(n - 1), key=lambda i: t.stride(i), reverse=True)
+    strides = [0] * n
+    strides[-1] = 1
+    running = inner
+    for i in reversed(outer):
+        strides[i] = running
+        running *= shape[i]
+    base = torch.empty(max(running, 1), dtype=t.dtype, device=t.device)
+    return base.as_strided(shape, strides)
+
+
+def repaired(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when usable, else a copy in the same dimension order (innermost dim last)."""
+    if usable(t):
+        return t
+    out = _aligned_empty(t)
+    out.copy_(t)
+    return out

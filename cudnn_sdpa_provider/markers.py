@@ -1,0 +1,70 @@
+"""How a backward knows what its forward did: a record keyed by the storage of a forward output.
+
+The aten SDPA ops hand the backward only tensors the forward returned. For the dense cuDNN op the
+provider returns its own ``philox_seed``/``philox_offset`` pair (one 2-element storage); for
+varlen, its own ``rng_state``. Autograd saves those outputs by storage (``SavedVariable`` keeps
+the StorageImpl), and PyTorch preserves a storage's Python object while the StorageImpl lives, so
+``id(t.untyped_storage())`` identifies the forward for exactly as long as its backward can run,
+on any thread, whether or not the provider's scope is still open. ``weakref.finalize`` drops the
+record when the storage dies, so an id is never reused while its record exists.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Record", "mark", "lookup", "pending", "on_empty"]
+
+_lock = threading.Lock()
+_records: dict[int, "Record"] = {}
+_listeners: list = []
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the forward did: served by our graph, or fell back with ``reason``."""
+
+    path: str  # "dense" or "varlen"
+    served: bool
+    reason: str | None = None
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _records.pop(key, None)
+        empty = not _records
+    if empty:
+        for fn in list(_listeners):
+            try:
+                fn()
+            except Exception:  # a listener must never break a deallocation
+                pass
+
+
+def mark(t: torch.Tensor, record: Record) -> None:
+    storage = t.untyped_storage()
+    key = id(storage)
+    with _lock:
+        _records[key] = record
+    weakref.finalize(storage, _forget, key)
+
+
+def lookup(t: torch.Tensor | None) -> Record | None:
+    if t is None:
+        return None
+    return _records.get(id(t.untyped_storage()))
+
+
+def pending() -> int:
+    """Forwards whose backward may still come."""
+    with _lock:
+        return len(_records)
+
+
+def on_empty(fn) -> None:
+    """Call ``fn()`` whenever the last record goes away (the provider unhooks its backward then)."""
+    _listeners.append(fn)

@@ -1,0 +1,327 @@
+"""Custom ops ``cudnn_sdpa::{dense,varlen}_{fwd,bwd}``: autograd, fake kernels, CPU kernels.
+
+CUDA kernels run ``engine`` (our cuDNN graphs) and count the call as served. When the engine
+raises ``NotSupportedError`` they either re-raise (``fallback=False``: strict callers and the
+provider, which has its own fallback) or run the composite in ``reference`` and count a fallback
+with the reason. CPU kernels always run the composite (reason ``no_cuda``); they make the fake
+kernels, ``opcheck`` and the autograd wiring testable on a CPU-only machine.
+
+Defining these ops registers the ``cudnn_sdpa`` namespace only; it overrides nothing of torch's.
+The package imports this module lazily (on first use), never at package import.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import counters, engine, layout, reference
+from .errors import NotSupportedError
+
+__all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd"]
+
+
+def _fail_or_fallback(path: str, exc: NotSupportedError, fallback: bool) -> None:
+    if not fallback:
+        raise exc
+    counters.record(path, exc.reason)
+    counters.log_once((path, exc.reason, exc.detail), 20, "%s falls back to the aten composite: %s", path, exc)
+
+
+# --------------------------------------------------------------------------------------- dense
+
+
+def _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right):
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        ref_out = q.new_zeros(q.shape[:3] + (v.shape[3],), dtype=torch.float32)
+        ref_lse = q.new_full(q.shape[:3] + (1,), float("-inf"), dtype=torch.float32)
+    else:
+        ref_out, ref_lse = reference.dense(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks,
+                                           bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+    out = layout.dense_out(q, tuple(q.shape[:3]) + (v.shape[3],))
+    out.copy_(ref_out)
+    lse = torch.empty(tuple(q.shape[:3]) + (1,), dtype=torch.float32, device=q.device)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+def _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right):
+    grads = reference.dense_backward(grad_out, q, k, v, scale=scale, window=window, bottom_right=bottom_right,
+                                     sinks=sinks, bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+    dq, dk, dv = layout.grad_like(q), layout.grad_like(k), layout.grad_like(v)
+    for dst, g in zip((dq, dk, dv), grads[:3]):
+        dst.copy_(g)
+    dsinks = grads[3].to(torch.float32) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dsinks
+
+
+@torch.library.custom_op("cudnn_sdpa::dense_fwd", mutates_args=(), device_types="cuda")
+def dense_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Optional[Tensor],
+    bias: Optional[Tensor],
+    seq_len_q: Optional[Tensor],
+    seq_len_kv: Optional[Tensor],
+    philox: Optional[Tensor],
+    scale: float,
+    dropout_p: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    compute_lse: bool,
+    fallback: bool,
+) -> tuple[Tensor, Tensor]:
+    """Dense attention forward on a cuDNN graph: (out, lse)."""
+    window = (window_left, window_right)
+    try:
+        out, lse = engine.dense_fwd(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks,
+                                    bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, philox=philox,
+                                    dropout_p=dropout_p, compute_lse=compute_lse)
+    except NotSupportedError as exc:
+        _fail_or_fallback("dense_fwd", exc, fallback)
+        return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right)
+    counters.record("dense_fwd")
+    return out, lse
+
+
+@dense_fwd.register_kernel("cpu")
+def _dense_fwd_cpu(q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left, window_right,
+                   bottom_right, compute_lse, fallback):
+    _fail_or_fallback("dense_fwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
+    _no_dropout(dropout_p)
+    return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right), bottom_right)
+
+
+@dense_fwd.register_fake
+def _dense_fwd_fake(q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left, window_right,
+                    bottom_right, compute_lse, fallback):
+    out = layout.dense_out(q, tuple(q.shape[:3]) + (v.shape[3],))
+    lse = q.new_empty(tuple(q.shape[:3]) + (1,), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("cudnn_sdpa::dense_bwd", mutates_args=(), device_types="cuda")
+def dense_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    sinks: Optional[Tensor],
+    bias: Optional[Tensor],
+    seq_len_q: Optional[Tensor],
+    seq_len_kv: Optional[Tensor],
+    philox: Optional[Tensor],
+    scale: float,
+    dropout_p: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    deterministic: bool,
+    fallback: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Dense attention backward: (dq, dk, dv, dsinks); dsinks is (H_q,) fp32, or (0,) without sinks."""
+    window = (window_left, window_right)
+    try:
+        dq, dk, dv, dsinks = engine.dense_bwd(grad_out, q, k, v, out, lse, scale=scale, window=window,
+                                              bottom_right=bottom_right, sinks=sinks, bias=bias, seq_len_q=seq_len_q,
+                                              seq_len_kv=seq_len_kv, philox=philox, dropout_p=dropout_p,
+                                              deterministic=deterministic)
+    except NotSupportedError as exc:
+        _fail_or_fallback("dense_bwd", exc, fallback)
+        return _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right)
+    counters.record("dense_bwd")
+    return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@dense_bwd.register_kernel("cpu")
+def _dense_bwd_cpu(grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p,
+                   window_left, window_right, bottom_right, deterministic, fallback):
+    _fail_or_fallback("dense_bwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
+    _no_dropout(dropout_p)
+    return _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale,
+                                (window_left, window_right), bottom_right)
+
+
+@dense_bwd.register_fake
+def _dense_bwd_fake(grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p,
+                    window_left, window_right, bottom_right, deterministic, fallback):
+    dsinks = q.new_empty((q.shape[1],) if sinks is not None else (0,), dtype=torch.float32)
+    return layout.grad_like(q), layout.grad_like(k), layout.grad_like(v), dsinks
+
+
+def _dense_setup_context(ctx, inputs, output):
+    (q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left, window_right, bottom_right,
+     compute_lse, fallback) = inputs
+    out, lse = output
+    if not compute_lse:
+        ctx.lse_missing = True
+    ctx.save_for_backward(q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox)
+    ctx.options = (scale, dropout_p, window_left, window_right, bottom_right, fallback)
+
+
+def _dense_backward(ctx, grad_out, grad_lse):
+    if getattr(ctx, "lse_missing", False):
+        raise RuntimeError("cudnn_sdpa::dense_fwd ran with compute_lse=False; its backward needs the LSE")
+    q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox = ctx.saved_tensors
+    scale, dropout_p, window_left, window_right, bottom_right, fallback = ctx.options
+    dq, dk, dv, dsinks = torch.ops.cudnn_sdpa.dense_bwd(
+        grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left,
+        window_right, bottom_right, torch.are_deterministic_algorithms_enabled(), fallback,
+    )
+    # inputs: q k v sinks bias seq_len_q seq_len_kv philox scale dropout_p wl wr bottom_right compute_lse fallback
+    return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 11
+
+
+dense_fwd.register_autograd(_dense_backward, setup_context=_dense_setup_context)
+
+
+def _no_dropout(p: float) -> None:
+    if p > 0.0:
+        raise NotSupportedError("dropout", "the composite fallback has no dropout")
+
+
+# -------------------------------------------------------------------------------------- varlen
+
+
+def _varlen_composite_fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, window, bottom_right):
+    ref_out, ref_lse = reference.varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, window=window,
+                                        bottom_right=bottom_right, sinks=sinks)
+    out = layout.packed((q.shape[0], q.shape[1], v.shape[2]), q)
+    out.copy_(ref_out)
+    lse = layout.packed((q.shape[0], q.shape[1]), q, dtype=torch.float32)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+def _varlen_composite_bwd(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, window, bottom_right):
+    grads = reference.varlen_backward(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, window=window,
+                                      bottom_right=bottom_right, sinks=sinks)
+    outs = []
+    for src, g in zip((q, k, v), grads[:3]):
+        dst = layout.packed(tuple(src.shape), src)
+        dst.copy_(g)
+        outs.append(dst)
+    dsinks = grads[3].to(torch.float32) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return outs[0], outs[1], outs[2], dsinks
+
+
+@torch.library.custom_op("cudnn_sdpa::varlen_fwd", mutates_args=(), device_types="cuda")
+def varlen_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_kv: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    sinks: Optional[Tensor],
+    scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    fallback: bool,
+) -> tuple[Tensor, Tensor]:
+    """Packed varlen attention forward on a cuDNN graph: (out (T_q, H_q, D_v), lse (T_q, H_q) fp32)."""
+    window = (window_left, window_right)
+    try:
+        out, lse = engine.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale,
+                                     window=window, bottom_right=bottom_right, sinks=sinks)
+    except NotSupportedError as exc:
+        _fail_or_fallback("varlen_fwd", exc, fallback)
+        return _varlen_composite_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
+                                     window, bottom_right)
+    counters.record("varlen_fwd")
+    return out, lse
+
+
+@varlen_fwd.register_kernel("cpu")
+def _varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left,
+                    window_right, bottom_right, fallback):
+    _fail_or_fallback("varlen_fwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
+    return _varlen_composite_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
+                                 (window_left, window_right), bottom_right)
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left,
+                     window_right, bottom_right, fallback):
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("cudnn_sdpa::varlen_bwd", mutates_args=(), device_types="cuda")
+def varlen_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_kv: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    sinks: Optional[Tensor],
+    scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    deterministic: bool,
+    fallback: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Packed varlen attention backward: (dq, dk, dv, dsinks)."""
+    window = (window_left, window_right)
+    try:
+        dq, dk, dv, dsinks = engine.varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                                               max_seqlen_kv, scale=scale, window=window, bottom_right=bottom_right,
+                                               sinks=sinks, deterministic=deterministic)
+    except NotSupportedError as exc:
+        _fail_or_fallback("varlen_bwd", exc, fallback)
+        return _varlen_composite_bwd(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                     sinks, scale, window, bottom_right)
+    counters.record("varlen_bwd")
+    return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@varlen_bwd.register_kernel("cpu")
+def _varlen_bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
+                    scale, window_left, window_right, bottom_right, deterministic, fallback):
+    _fail_or_fallback("varlen_bwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
+    return _varlen_composite_bwd(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
+                                 scale, (window_left, window_right), bottom_right)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
+                     scale, window_left, window_right, bottom_right, deterministic, fallback):
+    dsinks = q.new_empty((q.shape[1],) if sinks is not None else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left, window_right,
+     bottom_right, fallback) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sinks)
+    ctx.options = (max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right, fallback)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sinks = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right, fallback = ctx.options
+    dq, dk, dv, dsinks = torch.ops.cudnn_sdpa.varlen_bwd(
+        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
+        window_left, window_right, bottom_right, torch.are_deterministic_algorithms_enabled(), fallback,
+    )
+    # inputs: q k v cu_q cu_kv max_q max_kv sinks scale wl wr bottom_right fallback
+    return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None) + (None,) * 5
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

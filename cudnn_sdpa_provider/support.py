@@ -1,0 +1,354 @@
+"""What cuDNN can serve: the capability table as data, and pure reason functions.
+
+Nothing here touches a GPU. ``Problem`` describes one attention call (shapes, dtypes, options),
+``Capabilities`` describes the machine (cuDNN version, compute capability); ``reasons(problem,
+caps)`` lists why the call cannot run on our cuDNN graphs, most important first. "Supported"
+means that list is empty. ``capabilities()`` is the one place that asks the device, cached.
+
+Version gates cite FACTS.md section 3 (docs/support.md is generated from ``RULES``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from .reasons import Reason
+
+__all__ = [
+    "Capabilities",
+    "Problem",
+    "Rule",
+    "RULES",
+    "MIN_CUDNN",
+    "reasons",
+    "capabilities",
+    "canonical_window",
+    "version_str",
+]
+
+#: Oldest cuDNN backend we build graphs for. Tested on 9.19; older 9.x releases lack pieces we use
+#: (int64/int32 ragged offsets for THD since 9.1-9.6, sliding-window bands since 9.2).
+MIN_CUDNN = 90600
+#: Releases NVIDIA withdrew for SDPA correctness bugs (FACTS.md section 3).
+BLOCKED_CUDNN = frozenset({91000, 91001})
+SINK_MIN = 91300  # sink_token forward and dense backward
+SINK_RAGGED_BWD_MIN = 92600  # ragged (THD) + sink backward
+DETERMINISTIC_SMALL_WS_MIN = 92500  # below this, sm_90 deterministic bwd needs O(B*H*S_q*S_kv) workspace
+MAX_HEAD_DIM = 256
+MAX_HEAD_DIM_BWD_PRE_HOPPER = 128
+INT32_MAX = 2**31 - 1
+
+
+def version_str(v: int | None) -> str:
+    """91900 -> '9.19.0' (cuDNN's encoding: major*10000 + minor*100 + patch)."""
+    if v is None:
+        return "none"
+    return f"{v // 10000}.{(v // 100) % 100}.{v % 100}"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The machine, as far as attention support is concerned."""
+
+    cuda: bool
+    compute_capability: tuple[int, int] | None = None
+    cudnn_version: int | None = None
+    frontend_version: str | None = None
+    unavailable: str | None = None  # why cuDNN cannot be used (frontend missing, no libcudnn, ...)
+    device_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call, reduced to what decides support. Build it with ``dataclasses.replace``."""
+
+    kind: str  # "dense" or "varlen"
+    backward: bool
+    device_type: str
+    dtypes: tuple  # (q, k, v) torch dtypes
+    batch: int
+    h_q: int
+    h_k: int
+    h_v: int
+    s_q: int  # max_seqlen_q for varlen
+    s_kv: int
+    d_qk: int
+    d_v: int
+    window: tuple[int, int] = (-1, -1)  # FlashAttention convention; (-1, 0) is causal
+    bottom_right: bool = False
+    sinks: bool = False
+    bias: bool = False
+    bias_grad: bool = False
+    dropout_p: float = 0.0
+    padded: bool = False
+    deterministic: bool = False
+    empty: bool = False
+    ragged_extent: int = 0  # varlen: largest packed extent * token stride (elements)
+
+    @property
+    def path(self) -> str:
+        return f"{self.kind}_{'bwd' if self.backward else 'fwd'}"
+
+    def describe(self) -> str:
+        names = [str(d).replace("torch.", "") for d in self.dtypes]
+        parts = [
+            f"{self.path} B={self.batch} H={self.h_q}/{self.h_k}/{self.h_v} S={self.s_q}/{self.s_kv}",
+            f"D={self.d_qk}/{self.d_v} dtype={'/'.join(names)} window={self.window}",
+        ]
+        flags = [
+            n
+            for n, on in (
+                ("bottom_right", self.bottom_right),
+                ("sinks", self.sinks),
+                ("bias", self.bias),
+                ("padded", self.padded),
+                ("deterministic", self.deterministic),
+            )
+            if on
+        ]
+        if self.dropout_p:
+            flags.append(f"dropout={self.dropout_p}")
+        return " ".join(parts + flags)
+
+
+class Rule(NamedTuple):
+    """One capability rule: ``check`` returns a message when the rule rejects the call."""
+
+    slug: str
+    summary: str
+    check: Callable[[Problem, Capabilities], "str | None"]
+
+
+def _no_cuda(p: Problem, c: Capabilities) -> str | None:
+    if p.device_type != "cuda":
+        return f"inputs are on {p.device_type!r}"
+    if not c.cuda:
+        return "CUDA is not available"
+    return None
+
+
+def _unavailable(p: Problem, c: Capabilities) -> str | None:
+    return c.unavailable
+
+
+def _cc(p: Problem, c: Capabilities) -> str | None:
+    if c.compute_capability is not None and c.compute_capability < (8, 0):
+        return f"compute capability {c.compute_capability} < (8, 0)"
+    return None
+
+
+def _global_version(p: Problem, c: Capabilities) -> str | None:
+    v = c.cudnn_version
+    if v is None:
+        return None
+    if v < MIN_CUDNN:
+        return f"cuDNN {version_str(v)} is older than {version_str(MIN_CUDNN)}"
+    if v in BLOCKED_CUDNN:
+        return f"cuDNN {version_str(v)} is blocked for SDPA (withdrawn release)"
+    return None
+
+
+def _empty(p: Problem, c: Capabilities) -> str | None:
+    return "an input has zero elements" if p.empty else None
+
+
+def _dtype(p: Problem, c: Capabilities) -> str | None:
+    import torch
+
+    q, k, v = p.dtypes
+    if q not in (torch.float16, torch.bfloat16) or k != q or v != q:
+        return f"dtypes {q}/{k}/{v}; cuDNN SDPA needs all float16 or all bfloat16"
+    return None
+
+
+def _head_dim(p: Problem, c: Capabilities) -> str | None:
+    for name, d in (("D_qk", p.d_qk), ("D_v", p.d_v)):
+        if d % 8 or d <= 0 or d > MAX_HEAD_DIM:
+            return f"{name}={d} (need a multiple of 8 in 8..{MAX_HEAD_DIM})"
+    pre_hopper = c.compute_capability is not None and c.compute_capability < (9, 0)
+    if p.backward and pre_hopper and max(p.d_qk, p.d_v) > MAX_HEAD_DIM_BWD_PRE_HOPPER:
+        return f"backward with head dim {max(p.d_qk, p.d_v)} > {MAX_HEAD_DIM_BWD_PRE_HOPPER} before Hopper"
+    return None
+
+
+def _gqa(p: Problem, c: Capabilities) -> str | None:
+    if p.h_k <= 0 or p.h_v <= 0 or p.h_q % p.h_k or p.h_q % p.h_v:
+        return f"H_q={p.h_q} is not a multiple of H_k={p.h_k} and H_v={p.h_v}"
+    return None
+
+
+def _feature_versions(p: Problem, c: Capabilities) -> str | None:
+    v = c.cudnn_version
+    if v is None:
+        return None
+    if p.sinks and v < SINK_MIN:
+        return f"attention sinks need cuDNN >= {version_str(SINK_MIN)} (have {version_str(v)})"
+    left, right = p.window
+    # cuDNN 9.14.0: wrong results for non-causal sliding windows once s_kv > 1024 (FACTS.md 3).
+    if v == 91400 and left >= 0 and right != 0 and p.s_kv > 1024:
+        return "cuDNN 9.14.0 sliding-window bug (non-causal window, s_kv > 1024)"
+    # cuDNN 9.26: backward planning segfaults on H200 at B = H_q = S_q = 1, S_kv = 128, d = 64.
+    if (
+        92600 <= v < 92700
+        and p.backward
+        and p.batch == 1
+        and p.h_q == 1
+        and p.s_q == 1
+        and p.s_kv == 128
+        and p.d_qk == 64
+    ):
+        return "cuDNN 9.26 backward-planning crash at B=H_q=S_q=1, S_kv=128, d=64"
+    return None
+
+
+def _sink_ragged_bwd(p: Problem, c: Capabilities) -> str | None:
+    v = c.cudnn_version
+    if p.sinks and p.backward and p.kind == "varlen" and v is not None and v < SINK_RAGGED_BWD_MIN:
+        return f"varlen sink backward needs cuDNN >= {version_str(SINK_RAGGED_BWD_MIN)} (have {version_str(v)})"
+    return None
+
+
+def _sink_decode(p: Problem, c: Capabilities) -> str | None:
+    return "attention sinks with S_q == 1" if p.sinks and p.s_q == 1 else None
+
+
+def _seq_one_bwd(p: Problem, c: Capabilities) -> str | None:
+    return "backward with S_q == S_kv == 1" if p.backward and p.s_q == 1 and p.s_kv == 1 else None
+
+
+def _bias(p: Problem, c: Capabilities) -> str | None:
+    if p.bias and p.kind == "varlen":
+        return "a bias on packed (varlen) inputs"
+    if p.bias_grad:
+        return "a bias that requires grad (dBias is not served)"
+    return None
+
+
+def _dropout(p: Problem, c: Capabilities) -> str | None:
+    if p.dropout_p > 0.0:
+        return f"dropout_p={p.dropout_p}"
+    return None
+
+
+def _ragged(p: Problem, c: Capabilities) -> str | None:
+    if p.kind == "varlen" and p.ragged_extent > INT32_MAX:
+        return f"packed extent {p.ragged_extent} elements exceeds int32 ragged offsets"
+    return None
+
+
+#: Evaluated in order; the first reason is the one counted, ``explain()`` shows them all.
+RULES: tuple[Rule, ...] = (
+    Rule("no_cuda", "inputs on a CUDA device", _no_cuda),
+    Rule("cudnn_unavailable", "nvidia-cudnn-frontend importable and cuDNN loadable", _unavailable),
+    Rule("compute_capability", "GPU sm_80 or newer", _cc),
+    Rule("cudnn_version", f"cuDNN >= {version_str(MIN_CUDNN)}, not 9.10.0/9.10.1", _global_version),
+    Rule("empty", "no zero-size inputs", _empty),
+    Rule("dtype", "q, k, v all float16 or all bfloat16", _dtype),
+    Rule("head_dim", "head dims multiples of 8 up to 256 (backward before Hopper: 128)", _head_dim),
+    Rule("gqa_heads", "H_q divisible by H_k and by H_v", _gqa),
+    Rule("cudnn_version", "features within this cuDNN's support and known bugs", _feature_versions),
+    Rule("sink_backward_ragged", "varlen sink backward on cuDNN >= 9.26", _sink_ragged_bwd),
+    Rule("sink_decode", "no sinks at S_q == 1", _sink_decode),
+    Rule("seq_len_one_backward", "no backward at S_q == S_kv == 1", _seq_one_bwd),
+    Rule("attn_bias", "bias only on dense inputs, without grad", _bias),
+    Rule("dropout", "no dropout", _dropout),
+    Rule("ragged_offset_overflow", "packed operands within int32 offsets", _ragged),
+)
+
+
+def deterministic_workspace_bytes(p: Problem, c: Capabilities) -> int:
+    """Workspace the deterministic backward needs on this machine (0 where it is small).
+
+    On sm_90 before cuDNN 9.25 it is O(B*H*S_q*S_kv): about 34 GB at B=8, H=32, S=8k (FACTS.md 3),
+    i.e. 2 bytes per score element.
+    """
+    v = c.cudnn_version or 0
+    if not (p.backward and p.deterministic) or c.compute_capability != (9, 0) or v >= DETERMINISTIC_SMALL_WS_MIN:
+        return 0
+    return 2 * p.batch * p.h_q * p.s_q * p.s_kv
+
+
+def reasons(p: Problem, caps: Capabilities, *, deterministic_limit_bytes: int | None = None) -> list[Reason]:
+    """Every reason this call cannot run on our cuDNN graphs, most important first."""
+    found: list[Reason] = []
+    for rule in RULES:
+        message = rule.check(p, caps)
+        if message:
+            found.append(Reason(rule.slug, message))
+            if rule.slug in ("no_cuda", "cudnn_unavailable"):
+                break  # nothing else is meaningful without a GPU and cuDNN
+    if not found and deterministic_limit_bytes is not None:
+        need = deterministic_workspace_bytes(p, caps)
+        if need > deterministic_limit_bytes:
+            found.append(
+                Reason(
+                    "deterministic_workspace",
+                    f"needs {need / 2**20:.0f} MiB workspace, limit {deterministic_limit_bytes / 2**20:.0f} MiB",
+                )
+            )
+    return found
+
+
+def canonical_window(is_causal: bool, window: tuple[int, int] | list[int] | None) -> tuple[int, int]:
+    """Fold ``is_causal`` and a FlashAttention-style ``window=(left, right)`` into one pair.
+
+    ``-1`` means unbounded. ``(-1, -1)`` is full attention, ``(-1, 0)`` causal, ``(w, 0)`` causal
+    with a sliding window that sees ``w`` keys before the diagonal (``w + 1`` keys in all).
+    """
+    if window is None:
+        window = (-1, -1)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
+    left, right = window
+    for name, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window {name} bound must be an int >= -1 (-1 = unbounded), got {value!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if is_causal:
+        if right > 0:
+            raise ValueError(f"is_causal=True conflicts with window right bound {right}; use window=({left}, 0)")
+        right = 0
+    return int(left), int(right)
+
+
+def cudnn_bounds(window: tuple[int, int]) -> tuple[int | None, int | None]:
+    """FlashAttention window -> cuDNN (diagonal_band_left_bound, diagonal_band_right_bound).
+
+    cuDNN's left bound counts the visible keys INCLUDING the diagonal, so FA's left ``w`` is
+    ``w + 1``; the right bound is the same number (0 with TOP_LEFT alignment is causal). ``None``
+    means unbounded on that side.
+    """
+    left, right = window
+    return (left + 1 if left >= 0 else None, right if right >= 0 else None)
+
+
+@functools.lru_cache(maxsize=None)
+def capabilities(device_index: int | None = None) -> Capabilities:
+    """Ask the machine once per device (cached): CUDA, compute capability, cuDNN versions."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Capabilities(cuda=False, unavailable="CUDA is not available")
+    index = torch.cuda.current_device() if device_index is None else device_index
+    cc = tuple(torch.cuda.get_device_capability(index))
+    name = torch.cuda.get_device_name(index)
+    from . import graphs  # the only module that imports cudnn
+
+    frontend, backend, problem = graphs.backend_info()
+    return Capabilities(
+        cuda=True,
+        compute_capability=cc,  # type: ignore[arg-type]
+        cudnn_version=backend,
+        frontend_version=frontend,
+        unavailable=problem,
+        device_name=name,
+    )
+
+
+def with_version(caps: Capabilities, version: int) -> Capabilities:
+    """A copy of ``caps`` claiming another cuDNN version (tests, doctor's what-if rows)."""
+    return dataclasses.replace(caps, cudnn_version=version)

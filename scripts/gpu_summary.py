@@ -1,0 +1,50 @@
+"""Summarise a GPU-tier run: junit counts per frontend version plus the machine's versions (JSON)."""
+
+import glob
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+
+def junit_counts(path):
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    keys = ("tests", "failures", "errors", "skipped")
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    counts["failed_tests"] = failed
+    return counts
+
+
+def machine():
+    info = {}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        info["cudnn_torch"] = torch.backends.cudnn.version()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["compute_capability"] = list(torch.cuda.get_device_capability(0))
+        import cudnn
+
+        info["cudnn_backend"] = cudnn.backend_version()
+    except Exception as exc:  # report, never fail the summary
+        info["error"] = repr(exc)
+    return info
+
+
+def main(out):
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(out, "junit-*.xml"))):
+        version = os.path.basename(path)[len("junit-"):-len(".xml")]
+        runs[version] = junit_counts(path)
+    print(json.dumps({"machine": machine(), "frontends": runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole GPU tier, for the H200 test machine (device tool) or any CUDA box:
+#   GPU tests with each nvidia-cudnn-frontend wheel in .whl/ (default 1.32.0 and 1.28.0),
+#   then, with BENCH=1, the benchmark. Logs, junit XML and summary.json go to $OUT.
+# Usage: OUT=/tmp/out bash scripts/gpu_tier.sh        (FRONTENDS="1.32.0" to run one)
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
+FRONTENDS=${FRONTENDS:-"1.32.0 1.28.0"}
+status=0
+for fe in $FRONTENDS; do
+  site=/tmp/csp-fe-$fe
+  rm -rf "$site"
+  if ! python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/nvidia_cudnn_frontend-"$fe"-*.whl; then
+    echo "gpu_tier: cannot install nvidia-cudnn-frontend $fe from .whl/" | tee "$OUT/log-$fe.txt"
+    status=1
+    continue
+  fi
+  echo "== nvidia-cudnn-frontend $fe ==" | tee "$OUT/log-$fe.txt"
+  PYTHONPATH="$site:$PWD" timeout "${TIMEOUT:-1200}" python3 -m pytest tests -m gpu --gpu -q -p no:cacheprovider \
+    --junitxml="$OUT/junit-$fe.xml" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/log-$fe.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+done
+PYTHONPATH="/tmp/csp-fe-${FRONTENDS%% *}:$PWD" python3 scripts/gpu_summary.py "$OUT" > "$OUT/summary.json"
+if [ "${BENCH:-0}" = 1 ]; then
+  PYTHONPATH="/tmp/csp-fe-${FRONTENDS%% *}:$PWD" python3 -m cudnn_sdpa_provider bench ${BENCH_ARGS:-} \
+    --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.txt"
+fi
+cat "$OUT/summary.json"
+exit $status

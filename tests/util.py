@@ -1,0 +1,54 @@
+"""Numerical helpers shared by the test tiers: one tolerance table, errors relative to each
+tensor's magnitude, failures that name the worst element."""
+
+from __future__ import annotations
+
+import torch
+
+#: Relative (to max|ref|) tolerance per dtype for outputs; gradients get GRAD_FACTOR more.
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+GRAD_FACTOR = 2.0
+
+
+def rel_error(actual: torch.Tensor, ref: torch.Tensor) -> tuple[float, tuple]:
+    a, r = actual.double(), ref.double()
+    diff = (a - r).abs()
+    if torch.isnan(a).any() and not torch.isnan(r).any():
+        worst = tuple(torch.nonzero(torch.isnan(a))[0].tolist())
+        return float("inf"), worst
+    scale = r.abs().max().item() or 1.0
+    flat = int(diff.argmax())
+    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    return diff.max().item() / scale, worst
+
+
+def assert_rel_close(actual, ref, tol: float, name: str) -> None:
+    assert actual.shape == ref.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(ref.shape)}"
+    err, worst = rel_error(actual, ref)
+    assert err <= tol, (
+        f"{name}: max|err|/max|ref| = {err:.3e} > {tol:.1e} at {worst}: "
+        f"got {actual[worst].item():.6g}, want {ref[worst].item():.6g}"
+    )
+
+
+def grad_tol(dtype, group: int = 1) -> float:
+    """GQA dK/dV sum over the group of query heads, so their error grows with the group size."""
+    return TOL[dtype] * GRAD_FACTOR * max(1.0, group**0.5)
+
+
+def poison_allocator(device, nbytes: int = 256 << 20) -> None:
+    """Fill the caching allocator's next blocks with NaN so an output a kernel forgot to write
+    shows up as NaN instead of a lucky zero."""
+    junk = torch.full((nbytes // 4,), float("nan"), device=device)
+    del junk
+
+
+def make_dense(b, h_q, h_k, h_v, s_q, s_kv, d_qk, d_v, dtype, device, order="bhsd", requires_grad=True, gen=None):
+    """Random q, k, v stored in ``order`` (a permutation of 'bhsd'), viewed as (B, H, S, D)."""
+    def one(h, s, d):
+        sizes = dict(b=b, h=h, s=s, d=d)
+        storage = torch.randn([sizes[c] for c in order], dtype=torch.float32, device=device, generator=gen)
+        t = storage.to(dtype).permute([order.index(c) for c in "bhsd"])
+        return t.detach().requires_grad_(requires_grad)
+
+    return one(h_q, s_q, d_qk), one(h_k, s_kv, d_qk), one(h_v, s_kv, d_v)
