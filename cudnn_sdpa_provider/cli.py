@@ -1,6 +1,6 @@
 """``cudnn-sdpa`` / ``python -m cudnn_sdpa_provider``: the only module that prints.
 
-Commands: run (a script under the provider, report at exit), demo, doctor. ``main(argv)``
+Commands: run (a script under the provider, report at exit), demo, doctor, bench. ``main(argv)``
 returns an exit code (named constants below); ``entry()`` is the console script.
 """
 
@@ -12,17 +12,18 @@ import os
 import runpy
 import sys
 
-__all__ = ["main", "entry", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_SELF_TEST_FAILED"]
+__all__ = ["main", "entry", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_SELF_TEST_FAILED", "EXIT_NO_CUDA"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_SELF_TEST_FAILED = 3
+EXIT_NO_CUDA = 4  # bench: nothing to time without a CUDA GPU
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cudnn-sdpa", description="PyTorch attention on cuDNN graphs, with an audit.")
-    sub = p.add_subparsers(dest="command", metavar="{run,demo,doctor}")
+    sub = p.add_subparsers(dest="command", metavar="{run,demo,doctor,bench}")
     sub.required = True
 
     run = sub.add_parser("run", help="run a Python script under the provider and report at exit")
@@ -40,7 +41,29 @@ def _parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="versions, GPU, served features, coexistence, GPU self-test")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
     doctor.add_argument("--no-self-test", action="store_true", help="skip the GPU self-test")
+    _bench_parser(sub)
     return p
+
+
+def _bench_parser(sub) -> None:
+    # Defaults are repeated here (not imported) so that --help never imports torch; tests/test_bench.py
+    # checks them against cudnn_sdpa_provider.bench.DEFAULT / QUICK.
+    bench = sub.add_parser(
+        "bench", help="time the provider side by side with PyTorch's native attention paths",
+        description="Time the provider side by side with native cuDNN, flash and efficient attention (and "
+                    "native varlen_attn) in one process on the same inputs: a table on stdout, progress on stderr.",
+        epilog=f"Exit status {EXIT_NO_CUDA} when CUDA is not available, {EXIT_USAGE} for bad options.")
+    bench.add_argument("--quick", action="store_true",
+                       help="smoke preset: 3 cases, 5 repeats, 2 warm-up calls, 50 host-cost calls")
+    bench.add_argument("--shapes", metavar="NAMES", help="comma-separated case names (default: all; see --list)")
+    bench.add_argument("--modes", metavar="MODES", default="fwd,fwd_bwd",
+                       help="comma-separated, from fwd,fwd_bwd (default: both)")
+    bench.add_argument("--repeats", type=int, metavar="N", help="timed calls per case, mode and path (default 30)")
+    bench.add_argument("--warmup", type=int, metavar="N", help="untimed calls before timing (default 5)")
+    bench.add_argument("--json", metavar="FILE", help="also write the rows and meta (versions, GPU, date) as JSON")
+    bench.add_argument("--plot", metavar="FILE", help="also plot TFLOP/s against sequence length, a panel per mode "
+                                                      "(needs matplotlib: pip install cudnn-sdpa-provider[plot])")
+    bench.add_argument("--list", action="store_true", help="list the cases and exit")
 
 
 def _cmd_run(args) -> int:
@@ -107,13 +130,85 @@ def _cmd_doctor(args) -> int:
     return EXIT_SELF_TEST_FAILED if failed else EXIT_OK
 
 
+def _progress_line(done: int, total: int, label: str, width: int = 24) -> str:
+    filled = width * done // total if total else width
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}"
+
+
+def _progress(stream=None):
+    """A text progress bar on stderr: redrawn in place on a terminal, one line per step otherwise."""
+    stream = stream or sys.stderr
+    tty, shown = stream.isatty(), [0]
+
+    def show(done: int, total: int, label: str) -> None:
+        line = _progress_line(done, total, label)
+        if tty:
+            stream.write("\r" + line.ljust(shown[0]) + ("\n" if done == total else ""))
+            shown[0] = len(line)
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    return show
+
+
+def _bench_options(args, bench):
+    """(cases, modes, preset) from the options; ValueError/ImportError for bad ones."""
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    if args.shapes:
+        cases = bench.select(split(args.shapes))
+    else:
+        cases = bench.quick_matrix() if args.quick else bench.select()
+    preset = bench.QUICK if args.quick else bench.DEFAULT
+    settings = bench.check_settings(preset.repeats if args.repeats is None else args.repeats,
+                                    preset.warmup if args.warmup is None else args.warmup, preset.host_calls)
+    if args.plot:
+        bench.require_matplotlib()
+    return cases, bench.check_modes(split(args.modes)), settings
+
+
+def _cmd_bench(args) -> int:
+    from . import bench
+
+    if args.list:
+        for case in bench.MATRIX:
+            print(f"{case.name:<36} {case.describe()}")
+        return EXIT_OK
+    try:
+        cases, modes, settings = _bench_options(args, bench)
+    except (ValueError, ImportError) as exc:
+        print(f"cudnn-sdpa bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    import torch
+
+    if not torch.cuda.is_available():
+        print("cudnn-sdpa bench: CUDA is not available; the benchmark times GPU kernels, so run it on a machine "
+              "with an NVIDIA GPU", file=sys.stderr)
+        return EXIT_NO_CUDA
+    try:
+        rows = bench.run(cases, modes=modes, repeats=settings.repeats, warmup=settings.warmup,
+                         host_calls=settings.host_calls, progress=_progress())
+    except bench.BenchError as exc:
+        print(f"cudnn-sdpa bench: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(bench.format_table(rows))
+    if args.json:
+        meta = bench.collect_meta(quick=args.quick, modes=list(modes), cases=[c.name for c in cases],
+                                  **{k: getattr(settings, k) for k in ("repeats", "warmup", "host_calls")})
+        with open(args.json, "w") as fh:
+            fh.write(bench.to_json(rows, meta))
+    if args.plot:
+        bench.plot(rows, args.plot)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
-    handler = {"run": _cmd_run, "demo": _cmd_demo, "doctor": _cmd_doctor}[args.command]
+    handler = {"run": _cmd_run, "demo": _cmd_demo, "doctor": _cmd_doctor, "bench": _cmd_bench}[args.command]
     return handler(args)
 
 

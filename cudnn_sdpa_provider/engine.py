@@ -140,10 +140,44 @@ def _buffer_for(dst: torch.Tensor) -> torch.Tensor:
     return dst if layout.usable(dst) else torch.empty(tuple(dst.shape), dtype=dst.dtype, device=dst.device)
 
 
+def _live_q(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor) -> torch.Tensor:
+    """Query lengths with rows that see no key at all (kv length 0) counted as padding: cuDNN
+    before 9.25 leaves NaN in those rows (FACTS.md 3); attention over nothing is defined as 0."""
+    return torch.where(seq_len_kv > 0, seq_len_q, torch.zeros_like(seq_len_q))
+
+
 def _rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:
     """(B, 1, s, 1) bool: row index >= length (device-side, no sync)."""
     rows = torch.arange(s, device=lengths.device, dtype=lengths.dtype)
     return (rows[None, :] >= lengths[:, None]).view(lengths.shape[0], 1, s, 1)
+
+
+def new_philox(device: torch.device) -> torch.Tensor:
+    """A fresh (seed, offset) pair for dropout, drawn from torch's generator on ``device`` (so
+    ``torch.manual_seed`` reproduces it; device-side, no sync, capturable in CUDA graphs)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
+def bias_operand(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """An additive bias/mask broadcastable to (B, H_q, S_q, S_kv) as cuDNN reads it: 4-D,
+    (1|B, 1|H_q, S_q, S_kv), q's dtype, usable strides. Broadcast batch/head dims become size 1
+    (no copy); broadcast sequence dims are materialised (cuDNN has no S broadcasting)."""
+    b, h, s_q, s_kv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if bias.dtype == torch.bool:  # F.sdpa converts masks before the op; direct callers may not
+        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~bias, float("-inf")).expand(bias.shape)
+    if bias.dim() > 4:
+        raise ValueError(f"attn_bias must have at most 4 dims, got shape {tuple(bias.shape)}")
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    if bias.shape[0] > 1 and bias.stride(0) == 0:
+        bias = bias[:1]
+    if bias.shape[1] > 1 and bias.stride(1) == 0:
+        bias = bias[:, :1]
+    bb, bh = bias.shape[0], bias.shape[1]
+    if bb not in (1, b) or bh not in (1, h) or bias.shape[2] not in (1, s_q) or bias.shape[3] not in (1, s_kv):
+        raise ValueError(f"attn_bias of shape {tuple(bias.shape)} does not broadcast to ({b}, {h}, {s_q}, {s_kv})")
+    bias = bias.to(q.dtype).expand(bb, bh, s_q, s_kv)
+    return layout.repaired(bias)
 
 
 def seqlen_bucket(n: int) -> int:
@@ -163,11 +197,17 @@ def _index(t: torch.Tensor, shape) -> torch.Tensor:
 
 
 def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None, bias=None,
-              seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, compute_lse=True):
-    """cuDNN forward. Returns (out, lse)."""
+              seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, compute_lse=True, rng_dump=None,
+              checked=False):
+    """cuDNN forward. Returns (out, lse).
+
+    Dropout: ``philox`` is the (seed, offset) pair of int64 device tensors the forward owns and its
+    backward reuses. ``rng_dump`` (tests only): a (B, H_q, S_q, S_kv) fp32 buffer that receives
+    the realised keep mask. ``checked=True``: the caller already ran ``check`` on this call."""
     padded = seq_len_q is not None
-    check(dense_problem(q, k, v, window=window, bottom_right=bottom_right, sinks=sinks is not None, bias=bias,
-                        dropout_p=dropout_p, padded=padded), q.device)
+    if not checked:
+        check(dense_problem(q, k, v, window=window, bottom_right=bottom_right, sinks=sinks is not None, bias=bias,
+                            dropout_p=dropout_p, padded=padded), q.device)
     b, h, s_q, _ = q.shape
     d_v = v.shape[3]
     device = q.device.index
@@ -180,7 +220,7 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
         buffers[UID.LSE] = lse
     bias_desc = None
     if bias is not None:
-        bias = layout.repaired(bias.to(q.dtype))
+        bias = bias_operand(bias, q, k)
         bias_desc = _desc(bias)
         buffers[UID.BIAS] = bias
     if padded:
@@ -189,8 +229,10 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
     if sinks is not None:
         buffers[UID.SINK] = sinks.reshape(1, h, 1, 1).float().contiguous()
     if dropout_p > 0.0:
-        buffers[UID.SEED] = philox[0:1].reshape(1, 1, 1, 1)
-        buffers[UID.OFFSET] = philox[1:2].reshape(1, 1, 1, 1)
+        buffers[UID.SEED] = philox[0].reshape(1, 1, 1, 1)
+        buffers[UID.OFFSET] = philox[1].reshape(1, 1, 1, 1)
+        if rng_dump is not None:
+            buffers[UID.RNG_DUMP] = rng_dump
     key = FwdKey(
         device=device,
         q=_desc(qr),
@@ -205,12 +247,13 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
         bias=bias_desc,
         padded=padded,
         dropout_p=float(dropout_p),
+        rng_dump=rng_dump is not None and dropout_p > 0.0,
     )
     _run(key, buffers)
     if out_buf is not out:
         out.copy_(out_buf)
     if padded:
-        out.masked_fill_(_rows_past(seq_len_q, s_q), 0)
+        out.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), s_q), 0)
     return out, lse
 
 
@@ -236,7 +279,7 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
     }
     bias_desc = None
     if bias is not None:
-        bias = layout.repaired(bias.to(q.dtype))
+        bias = bias_operand(bias, q, k)
         bias_desc = _desc(bias)
         buffers[UID.BIAS] = bias
     if padded:
@@ -248,8 +291,8 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
         dsinks = torch.zeros((1, h, 1, 1), dtype=torch.float32, device=q.device)
         buffers[UID.DSINK] = dsinks
     if dropout_p > 0.0:
-        buffers[UID.SEED] = philox[0:1].reshape(1, 1, 1, 1)
-        buffers[UID.OFFSET] = philox[1:2].reshape(1, 1, 1, 1)
+        buffers[UID.SEED] = philox[0].reshape(1, 1, 1, 1)
+        buffers[UID.OFFSET] = philox[1].reshape(1, 1, 1, 1)
     key = BwdKey(
         device=device,
         q=_desc(qr),
@@ -275,7 +318,7 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
         if buf is not dst:
             dst.copy_(buf)
     if padded:
-        dq.masked_fill_(_rows_past(seq_len_q, s_q), 0)
+        dq.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), s_q), 0)
         past_kv = _rows_past(seq_len_kv, s_kv)
         dk.masked_fill_(past_kv, 0)
         dv.masked_fill_(past_kv, 0)
@@ -360,7 +403,20 @@ def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seql
         ragged=True,
     )
     _run(key, buffers)
+    _zero_keyless_tokens(out, cu_seqlens_q, cu_seqlens_kv)
     return out, lse
+
+
+def _zero_keyless_tokens(x: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor) -> None:
+    """cuDNN < 9.25 writes NaN for queries of a sequence with no keys (FACTS.md 3); such rows
+    attend to nothing and are 0 by definition. Device-side; skipped on cuDNN >= 9.25."""
+    caps = support.capabilities(x.device.index)
+    if caps.cudnn_version is not None and caps.cudnn_version >= support.ZERO_LENGTH_OK:
+        return
+    keyless = (cu_kv[1:] - cu_kv[:-1]) == 0
+    tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_q.dtype)
+    batch = torch.searchsorted(cu_q[1:], tokens, right=True).clamp_(max=keyless.shape[0] - 1)
+    x.masked_fill_(keyless[batch].view(-1, *([1] * (x.dim() - 1))), 0)
 
 
 def varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_kv: int, *,
@@ -416,4 +472,5 @@ def varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seq
         deterministic=bool(deterministic),
     )
     _run(key, buffers)
+    _zero_keyless_tokens(dq, cu_seqlens_q, cu_seqlens_kv)
     return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)

@@ -90,7 +90,7 @@ def _strict_precheck(device: torch.device, problem: support.Problem, bwd_problem
 
 def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_right=False, sinks=None,
               seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
-              max_seqlen_kv=None, return_lse=False):
+              max_seqlen_kv=None, dropout_p=0.0, return_lse=False):
     """Scaled dot-product attention on cuDNN graphs, forward and backward.
 
     Args:
@@ -108,6 +108,8 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         cu_seqlens_q, cu_seqlens_kv: (B+1,) int32 prefix sums for packed inputs
             (``cu_seqlens_kv`` defaults to ``cu_seqlens_q``); ``max_seqlen_q/kv`` are required
             host ints (no device sync is ever made to find them).
+        dropout_p: attention dropout (dense inputs). The forward draws a Philox (seed, offset) pair
+            from torch's generator (``torch.manual_seed`` reproduces it) and its backward reuses it.
         return_lse: also return the log-sum-exp: (B, H, S_q, 1) dense, (T, H) packed, fp32.
 
     Example::
@@ -129,6 +131,10 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     sinks32 = sinks.float() if sinks is not None else None
     fallback = not activation.strict()
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if varlen and dropout_p:
+        raise ValueError("dropout_p is not supported with packed (cu_seqlens) inputs; use dense inputs")
     if varlen:
         return _varlen(q, k, v, float(scale), window, bottom_right, sinks32, seq_lens_q, seq_lens_kv, cu_seqlens_q,
                        cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, return_lse, fallback)
@@ -144,15 +150,17 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
     grad = _needs_grad(q, k, v, sinks)
     if not fallback:
         problem = engine.dense_problem(q, k, v, window=window, bottom_right=bottom_right, sinks=sinks is not None,
-                                       padded=seq_lens_q is not None)
+                                       padded=seq_lens_q is not None, dropout_p=dropout_p)
         bwd = engine.dense_problem(q, k, v, backward=True, window=window, bottom_right=bottom_right,
-                                   sinks=sinks is not None, padded=seq_lens_q is not None,
+                                   sinks=sinks is not None, padded=seq_lens_q is not None, dropout_p=dropout_p,
                                    deterministic=torch.are_deterministic_algorithms_enabled()) if grad else None
         _strict_precheck(q.device, problem, bwd, lambda: describe_call(q=q, k=k, v=v, sinks=sinks, window=window,
                                                              bottom_right=bottom_right, seq_lens_q=seq_lens_q))
+    philox = engine.new_philox(q.device) if dropout_p > 0.0 else None
     try:
-        out, lse = torch.ops.cudnn_sdpa.dense_fwd(q, k, v, sinks32, None, seq_lens_q, seq_lens_kv, None, float(scale),
-                                                  0.0, window[0], window[1], bottom_right, return_lse or grad, fallback)
+        out, lse = torch.ops.cudnn_sdpa.dense_fwd(q, k, v, sinks32, None, seq_lens_q, seq_lens_kv, philox, float(scale),
+                                                  float(dropout_p), window[0], window[1], bottom_right,
+                                                  return_lse or grad, fallback)
     except NotSupportedError as exc:
         raise FallbackError("dense_fwd", [exc.reason], describe_call(q=q, k=k, v=v), [exc.detail]) from None
     return (out, lse) if return_lse else out

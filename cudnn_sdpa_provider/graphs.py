@@ -21,7 +21,7 @@ from enum import IntEnum
 
 import torch
 
-from . import env
+from . import counters, env
 from .errors import NotSupportedError
 from .support import cudnn_bounds
 
@@ -75,6 +75,7 @@ class UID(IntEnum):
     RAG_DQ = 23
     RAG_DK = 24
     RAG_DV = 25
+    RNG_DUMP = 26
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class FwdKey:
     padded: bool = False
     ragged: bool = False
     dropout_p: float = 0.0
+    rng_dump: bool = False  # tests: also write the realised dropout keep-mask
 
 
 @dataclass(frozen=True)
@@ -212,12 +214,27 @@ def plan(key) -> Plan:
         built = exc  # remember rejections too: a rejected key is not rebuilt on every call
     with _builds_lock:
         _builds["rejected" if isinstance(built, NotSupportedError) else "built"] += 1
+    if not isinstance(built, NotSupportedError):
+        counters.note_plan(describe(key), built.name)
     plans[key] = built
     while len(plans) > state["capacity"]:
         plans.popitem(last=False)
     if isinstance(built, NotSupportedError):
         raise built
     return built
+
+
+def describe(key) -> str:
+    """A short human description of a graph key (telemetry and logs)."""
+    kind = "bwd" if isinstance(key, BwdKey) else "fwd"
+    dtype = str(key.q.dtype).replace("torch.", "")
+    shape = lambda d: "x".join(str(n) for n in d.dims)  # noqa: E731
+    flags = [f for f, on in (("bottom_right", key.bottom_right), ("sinks", key.sinks), ("bias", key.bias is not None),
+                             ("padded", key.padded), ("varlen", key.ragged),
+                             ("deterministic", getattr(key, "deterministic", False))) if on]
+    if key.dropout_p:
+        flags.append(f"dropout={key.dropout_p}")
+    return f"{kind} {dtype} q={shape(key.q)} k={shape(key.k)} v={shape(key.v)} window={key.window} {' '.join(flags)}".strip()
 
 
 def execute(p: Plan, buffers: dict, device: int, stream: int) -> None:
@@ -308,7 +325,12 @@ def _build_fwd(key: FwdKey, handle):
         _ragged(g, q, UID.RAG_Q, batch)
         _ragged(g, k, UID.RAG_K, batch)
         _ragged(g, v, UID.RAG_V, batch)
-    o, stats = g.sdpa(q, k, v, generate_stats=key.lse is not None, **_mask_kwargs(g, key))
+    kw = _mask_kwargs(g, key)
+    if key.rng_dump:
+        b, h, s_q, s_kv = key.q.dims[0], key.q.dims[1], key.q.dims[2], key.k.dims[2]
+        kw["rng_dump"] = g.tensor(name="rng_dump", dim=[b, h, s_q, s_kv], stride=[h * s_q * s_kv, s_q * s_kv, s_kv, 1],
+                                  data_type=cudnn.data_type.FLOAT, uid=int(UID.RNG_DUMP))
+    o, stats = g.sdpa(q, k, v, generate_stats=key.lse is not None, **kw)
     _output(o, UID.O, key.o)
     if key.ragged:
         _ragged(g, o, UID.RAG_O, batch)
@@ -370,5 +392,5 @@ def _build(key, handle) -> Plan:
         log.info("cuDNN rejected %s graph: %s", "backward" if isinstance(key, BwdKey) else "forward", message)
         raise NotSupportedError("graph_not_supported", message) from None
     name = _plan_name(g)
-    log.info("built cuDNN %s graph, plan %s, workspace %d bytes: %s", "bwd" if isinstance(key, BwdKey) else "fwd", name, workspace, key)
+    log.info("built cuDNN graph, plan %s, workspace %d bytes: %s", name, workspace, describe(key))
     return Plan(graph=g, workspace=workspace, name=name)

@@ -33,13 +33,31 @@ def _fail_or_fallback(path: str, exc: NotSupportedError, fallback: bool) -> None
 # --------------------------------------------------------------------------------------- dense
 
 
-def _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right):
+def _pair(philox):
+    return None if philox is None else (philox[0], philox[1])
+
+
+def _composite_dropout_mask(philox, dropout_p, q, k):
+    """The composite's own keep-mask, a pure function of the forward's philox pair so forward and
+    backward agree. It cannot reproduce cuDNN's Philox stream, and reading the pair is a host sync:
+    this runs only on the fallback path."""
+    if dropout_p <= 0.0:
+        return None
+    seed, offset = (int(x) for x in philox.tolist())
+    gen = torch.Generator(device=q.device).manual_seed((seed * 1000003 + offset) % (2**63))
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return torch.rand(shape, generator=gen, device=q.device) >= dropout_p
+
+
+def _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox=None,
+                         dropout_p=0.0):
     if q.shape[2] == 0 or k.shape[2] == 0:
         ref_out = q.new_zeros(q.shape[:3] + (v.shape[3],), dtype=torch.float32)
         ref_lse = q.new_full(q.shape[:3] + (1,), float("-inf"), dtype=torch.float32)
     else:
         ref_out, ref_lse = reference.dense(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks,
-                                           bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+                                           bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, dropout_p=dropout_p,
+                                           dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k))
     out = layout.dense_out(q, tuple(q.shape[:3]) + (v.shape[3],))
     out.copy_(ref_out)
     lse = torch.empty(tuple(q.shape[:3]) + (1,), dtype=torch.float32, device=q.device)
@@ -47,9 +65,11 @@ def _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, win
     return out, lse
 
 
-def _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right):
+def _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right,
+                         philox=None, dropout_p=0.0):
     grads = reference.dense_backward(grad_out, q, k, v, scale=scale, window=window, bottom_right=bottom_right,
-                                     sinks=sinks, bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+                                     sinks=sinks, bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                                     dropout_p=dropout_p, dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k))
     dq, dk, dv = layout.grad_like(q), layout.grad_like(k), layout.grad_like(v)
     for dst, g in zip((dq, dk, dv), grads[:3]):
         dst.copy_(g)
@@ -79,11 +99,12 @@ def dense_fwd(
     window = (window_left, window_right)
     try:
         out, lse = engine.dense_fwd(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks,
-                                    bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, philox=philox,
-                                    dropout_p=dropout_p, compute_lse=compute_lse)
+                                    bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                                    philox=_pair(philox), dropout_p=dropout_p, compute_lse=compute_lse)
     except NotSupportedError as exc:
         _fail_or_fallback("dense_fwd", exc, fallback)
-        return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right)
+        return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox,
+                                    dropout_p)
     counters.record("dense_fwd")
     return out, lse
 
@@ -92,8 +113,8 @@ def dense_fwd(
 def _dense_fwd_cpu(q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left, window_right,
                    bottom_right, compute_lse, fallback):
     _fail_or_fallback("dense_fwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
-    _no_dropout(dropout_p)
-    return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right), bottom_right)
+    return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right),
+                                bottom_right, philox, dropout_p)
 
 
 @dense_fwd.register_fake
@@ -130,11 +151,12 @@ def dense_bwd(
     try:
         dq, dk, dv, dsinks = engine.dense_bwd(grad_out, q, k, v, out, lse, scale=scale, window=window,
                                               bottom_right=bottom_right, sinks=sinks, bias=bias, seq_len_q=seq_len_q,
-                                              seq_len_kv=seq_len_kv, philox=philox, dropout_p=dropout_p,
-                                              deterministic=deterministic)
+                                              seq_len_kv=seq_len_kv, philox=_pair(philox),
+                                              dropout_p=dropout_p, deterministic=deterministic)
     except NotSupportedError as exc:
         _fail_or_fallback("dense_bwd", exc, fallback)
-        return _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right)
+        return _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right,
+                                    philox, dropout_p)
     counters.record("dense_bwd")
     return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
 
@@ -143,9 +165,8 @@ def dense_bwd(
 def _dense_bwd_cpu(grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p,
                    window_left, window_right, bottom_right, deterministic, fallback):
     _fail_or_fallback("dense_bwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
-    _no_dropout(dropout_p)
     return _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale,
-                                (window_left, window_right), bottom_right)
+                                (window_left, window_right), bottom_right, philox, dropout_p)
 
 
 @dense_bwd.register_fake
@@ -179,11 +200,6 @@ def _dense_backward(ctx, grad_out, grad_lse):
 
 
 dense_fwd.register_autograd(_dense_backward, setup_context=_dense_setup_context)
-
-
-def _no_dropout(p: float) -> None:
-    if p > 0.0:
-        raise NotSupportedError("dropout", "the composite fallback has no dropout")
 
 
 # -------------------------------------------------------------------------------------- varlen

@@ -94,12 +94,18 @@ class _Dense:
 
     def forward(self, keyset, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                 return_debug_mask=False, *, scale=None):
+        window = (-1, 0) if is_causal else (-1, -1)
         try:
             if return_debug_mask:
                 raise NotSupportedError("dropout", "return_debug_mask=True (the dropout debug mask)")
-            out, lse = engine.dense_fwd(query, key, value, scale=_scale(scale, query),
-                                        window=(-1, 0) if is_causal else (-1, -1), bias=attn_bias,
-                                        dropout_p=dropout_p, compute_lse=compute_log_sumexp)
+            # Decide before drawing dropout's Philox pair: a fallback must consume no RNG state,
+            # so PyTorch's kernel then draws exactly what it would have drawn natively.
+            engine.check(engine.dense_problem(query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p),
+                         query.device)
+            philox = engine.new_philox(query.device) if dropout_p > 0.0 else None
+            out, lse = engine.dense_fwd(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
+                                        dropout_p=dropout_p, compute_lse=compute_log_sumexp,
+                                        philox=(philox[0], philox[1]) if philox is not None else None, checked=True)
         except NotSupportedError as exc:
             inputs = lambda: describe_call(query=query, key=key, value=value, attn_bias=attn_bias,  # noqa: E731
                                            dropout_p=dropout_p, is_causal=is_causal, scale=scale)
@@ -110,7 +116,8 @@ class _Dense:
                 markers.mark(result[7], markers.Record("dense", served=False, reason=exc.reason))
             return result
         counters.record("dense_fwd")
-        philox = torch.empty(2, dtype=torch.int64, device=query.device)  # marker; values unused without dropout
+        if philox is None:  # the pair is the backward's marker; its values matter only with dropout
+            philox = torch.empty(2, dtype=torch.int64, device=query.device)
         markers.mark(philox, markers.Record("dense", served=True))
         return out, lse, None, None, query.shape[2], key.shape[2], philox[0], philox[1], None
 
@@ -130,7 +137,7 @@ class _Dense:
         try:
             dq, dk, dv, _ = engine.dense_bwd(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
                                              window=(-1, 0) if is_causal else (-1, -1), bias=attn_bias,
-                                             dropout_p=dropout_p,
+                                             dropout_p=dropout_p, philox=(philox_seed, philox_offset),
                                              deterministic=torch.are_deterministic_algorithms_enabled())
         except NotSupportedError as exc:
             inputs = lambda: describe_call(query=query, key=key, value=value, grad_out=grad_out,  # noqa: E731

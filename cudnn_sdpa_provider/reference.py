@@ -82,18 +82,22 @@ def _sum_groups(x, heads: int):
 
 
 def dense_backward(grad_out, q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None, bias=None,
-                   seq_len_q=None, seq_len_kv=None, compute_dtype=torch.float32):
+                   seq_len_q=None, seq_len_kv=None, dropout_mask=None, dropout_p=0.0, compute_dtype=torch.float32):
     """(dq, dk, dv, dsinks or None) by the closed-form attention gradient, no autograd needed
     (the CPU kernels run below the autograd dispatch key)."""
     qf, kf, vf, probs, safe, _ = _probs(q, k, v, scale, window, bottom_right, sinks, bias, seq_len_q, seq_len_kv,
                                         compute_dtype)
-    out = torch.matmul(probs, vf)
+    keep = 1.0
+    if dropout_mask is not None:
+        keep = dropout_mask.to(compute_dtype) / (1.0 - dropout_p)
+    dropped = probs * keep
+    out = torch.matmul(dropped, vf)
     do = _zero_padded_rows(grad_out.to(compute_dtype), seq_len_q)
     delta = (do * out).sum(dim=-1, keepdim=True)
-    ds = probs * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+    ds = probs * (torch.matmul(do, vf.transpose(-1, -2)) * keep - delta)
     dq = torch.matmul(ds, kf) * scale
     dk = _sum_groups(torch.matmul(ds.transpose(-1, -2), qf) * scale, k.shape[1])
-    dv = _sum_groups(torch.matmul(probs.transpose(-1, -2), do), v.shape[1])
+    dv = _sum_groups(torch.matmul(dropped.transpose(-1, -2), do), v.shape[1])
     dsinks = None
     if sinks is not None:
         p_sink = torch.exp(sinks.to(compute_dtype).view(1, -1, 1, 1) - safe)

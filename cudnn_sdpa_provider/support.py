@@ -37,6 +37,8 @@ BLOCKED_CUDNN = frozenset({91000, 91001})
 SINK_MIN = 91300  # sink_token forward and dense backward
 SINK_RAGGED_BWD_MIN = 92600  # ragged (THD) + sink backward
 DETERMINISTIC_SMALL_WS_MIN = 92500  # below this, sm_90 deterministic bwd needs O(B*H*S_q*S_kv) workspace
+ZERO_LENGTH_OK = 92500  # below this, sequences with no keys give NaN rows (the engine zeroes them)
+DROPOUT_BROKEN = (91100, 91400)  # [first bad, first good): cuDNN SDPA dropout bug
 MAX_HEAD_DIM = 256
 MAX_HEAD_DIM_BWD_PRE_HOPPER = 128
 INT32_MAX = 2**31 - 1
@@ -228,8 +230,20 @@ def _bias(p: Problem, c: Capabilities) -> str | None:
 
 
 def _dropout(p: Problem, c: Capabilities) -> str | None:
-    if p.dropout_p > 0.0:
-        return f"dropout_p={p.dropout_p}"
+    if p.dropout_p <= 0.0:
+        return None
+    if p.kind == "varlen":
+        return f"dropout_p={p.dropout_p} on packed inputs"
+    if p.dropout_p >= 1.0:
+        return f"dropout_p={p.dropout_p} (must be < 1)"
+    return None
+
+
+def _dropout_version(p: Problem, c: Capabilities) -> str | None:
+    # cuDNN 9.11-9.13 SDPA dropout is broken; PyTorch's own selector refuses it there too.
+    v = c.cudnn_version
+    if p.dropout_p > 0.0 and v is not None and DROPOUT_BROKEN[0] <= v < DROPOUT_BROKEN[1]:
+        return f"dropout is broken in cuDNN {version_str(v)} (9.11.0 - 9.13.x)"
     return None
 
 
@@ -254,7 +268,8 @@ RULES: tuple[Rule, ...] = (
     Rule("sink_decode", "no sinks at S_q == 1", _sink_decode),
     Rule("seq_len_one_backward", "no backward at S_q == S_kv == 1", _seq_one_bwd),
     Rule("attn_bias", "bias only on dense inputs, without grad", _bias),
-    Rule("dropout", "no dropout", _dropout),
+    Rule("dropout", "dropout only on dense inputs, p < 1", _dropout),
+    Rule("cudnn_version", "dropout outside cuDNN 9.11-9.13", _dropout_version),
     Rule("ragged_offset_overflow", "packed operands within int32 offsets", _ragged),
 )
 

@@ -9,7 +9,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
 FRONTENDS=${FRONTENDS:-"1.32.0 1.28.0"}
 status=0
+first=1
 for fe in $FRONTENDS; do
+  # The full fuzz budget (issue: >= 500 configurations per run) on the first frontend, a smaller
+  # one on the others.
+  if [ $first = 1 ]; then export CSP_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-500}; else export CSP_FUZZ_EXAMPLES=${FUZZ_EXAMPLES_OTHERS:-100}; fi
+  first=0
   site=/tmp/csp-fe-$fe
   rm -rf "$site"
   if ! python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/nvidia_cudnn_frontend-"$fe"-*.whl; then

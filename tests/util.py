@@ -11,11 +11,14 @@ GRAD_FACTOR = 2.0
 
 
 def rel_error(actual: torch.Tensor, ref: torch.Tensor) -> tuple[float, tuple]:
+    """max|actual - ref| / max|ref|, and where it is worst. NaN must appear in both or neither."""
     a, r = actual.double(), ref.double()
-    diff = (a - r).abs()
-    if torch.isnan(a).any() and not torch.isnan(r).any():
-        worst = tuple(torch.nonzero(torch.isnan(a))[0].tolist())
+    nan_a, nan_r = torch.isnan(a), torch.isnan(r)
+    if not torch.equal(nan_a, nan_r):
+        worst = tuple(torch.nonzero(nan_a ^ nan_r)[0].tolist())
         return float("inf"), worst
+    a, r = a.masked_fill(nan_a, 0.0), r.masked_fill(nan_r, 0.0)
+    diff = (a - r).abs()
     scale = r.abs().max().item() or 1.0
     flat = int(diff.argmax())
     worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))

@@ -97,15 +97,23 @@ def test_fallback_fp32_counted_and_bit_exact_with_native():
         assert torch.equal(t.grad, g)
 
 
-def test_dropout_falls_back_with_reason_and_matches_native_rng():
-    q, k, v = make_dense(2, 4, 4, 4, 128, 128, 64, 64, torch.bfloat16, DEV, requires_grad=False)
+def test_unsupported_head_dim_falls_back_with_reason_and_is_bit_exact():
     torch.manual_seed(3)
-    native = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    q, k, v = make_dense(2, 4, 4, 4, 128, 128, 60, 60, torch.bfloat16, DEV)  # 60 is not a multiple of 8
+    go = torch.randn(2, 4, 128, 60, device=DEV, dtype=torch.bfloat16)
+    native = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    native.backward(go)
+    native_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
     with csp.enable():
-        torch.manual_seed(3)
-        out, delta = _delta(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.25))
-    assert sum(delta.fallback["dense_fwd"].values()) == 1 and delta.served["dense_fwd"] == 0, delta.to_dict()
+        out, delta = _delta(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        _, delta_b = _delta(lambda: out.backward(go))
+    assert delta.fallback["dense_fwd"] == {"head_dim": 1}, delta.to_dict()
+    assert delta_b.fallback["dense_bwd"] == {"head_dim": 1}, delta_b.to_dict()
     assert torch.equal(out, native)
+    for t, g in zip((q, k, v), native_grads):
+        assert torch.equal(t.grad, g)
 
 
 def test_strict_mode_raises_with_inputs_and_reasons():

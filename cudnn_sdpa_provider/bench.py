@@ -1,0 +1,611 @@
+"""``cudnn-sdpa bench``: the provider timed side by side with PyTorch's native attention paths.
+
+Data only; ``cli`` prints. ``run()`` returns one ``Row`` per (case, mode, path). Every path of a
+case is measured in ONE process on the SAME random bf16 inputs (fresh per case, never zeros), in
+ABBA order (half the repeats in path order, half reversed) so clock drift does not favour a path.
+
+Paths:
+  provider       F.sdpa / varlen_attn inside ``cudnn_sdpa_provider.enable()``
+  native_cudnn   provider off, ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`` (PyTorch's C++ cuDNN path)
+  flash          provider off, ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``
+  efficient      provider off, ``sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)``
+  native_varlen  provider off, ``varlen_attn`` (FlashAttention varlen in torch 2.11-2.13)
+A path PyTorch cannot run at a case (efficient with GQA, ...) is ``skipped`` with PyTorch's reason.
+
+Modes: ``fwd`` (inference: inputs do not require grad, so no logsumexp is computed) and ``fwd_bwd``
+(forward, then ``torch.autograd.grad`` with a random grad_out; nothing accumulates into ``.grad``).
+
+Row metrics:
+  median_ms, p20_ms, p80_ms  CUDA-event time of one call, over ``repeats`` timed calls after warm-up;
+                             input sets rotate so a call never reads inputs the previous one left in L2
+  tflops          flops(case, mode) / median: forward 4*B*H_q*S_q*S_kv*D, halved when causal (varlen:
+                  summed over sequences); fwd_bwd counts 3.5x forward (FACTS.md section 2)
+  vs_native       baseline median / this median, >1 = faster; baseline native_cudnn (native_varlen)
+  peak_mib        peak memory allocated during one call above what was allocated before it (inputs)
+  inputs_mib      one input set: q, k, v (and grad_out for fwd_bwd)
+  host_us         host-cost cases: wall time per call of ``host_calls`` back-to-back calls, no sync
+                  inside the loop, one at the end
+  host_vs_native  baseline host_us / this host_us, >1 = cheaper on the host
+  calls, served, fallbacks, fallback_reasons
+                  provider rows: calls made and the counters' diff over them. A provider row is "ok"
+                  only if every call (forward and backward) was served; otherwise its status is
+                  "fallback" or "unserved" and its numbers are not the provider's.
+Status: ok | skipped (PyTorch cannot run the path) | fallback | unserved | error (exception; reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import itertools
+import json
+import math
+import platform
+import random
+import re
+import shlex
+import statistics
+import sys
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from time import perf_counter
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from . import activation, counters, support
+
+__all__ = ["Case", "Row", "Measurement", "Preset", "BenchError", "MATRIX", "MODES", "DEFAULT", "QUICK", "select",
+           "quick_matrix", "check_modes", "check_settings", "fwd_flops", "flops", "summarize", "add_ratios", "run",
+           "collect_meta", "to_json", "format_table", "plot", "require_matplotlib"]
+
+MODES = ("fwd", "fwd_bwd")
+DENSE_PATHS = ("provider", "native_cudnn", "flash", "efficient")
+VARLEN_PATHS = ("provider", "native_varlen")
+BASELINE = {"dense": "native_cudnn", "varlen": "native_varlen"}
+BWD_FACTOR = 3.5  # fwd+bwd = 3.5x forward flops (FACTS.md section 2: 2 matmuls forward, 5 backward)
+ROTATE_BYTES = 256 << 20  # input sets rotate until they span this much: > 5x the 50 MB L2 of an H100/H200
+MAX_SETS = 8
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\.?")  # the C++ source location of TORCH_WARN
+_BACKENDS = {"native_cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run here (no CUDA, or the provider is already enabled process-wide)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    repeats: int
+    warmup: int
+    host_calls: int
+
+
+DEFAULT = Preset(repeats=30, warmup=5, host_calls=300)
+QUICK = Preset(repeats=5, warmup=2, host_calls=50)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape. ``seq`` is S (dense) or the longest sequence (varlen, lengths in ``seq_lens``)."""
+
+    name: str
+    kind: str  # "dense" or "varlen"
+    batch: int
+    h_q: int
+    h_kv: int
+    seq: int
+    head_dim: int
+    causal: bool
+    seq_lens: tuple[int, ...] = ()
+    host: bool = False  # also measure the host cost per call
+
+    @property
+    def gqa(self) -> bool:
+        return self.h_q != self.h_kv
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return DENSE_PATHS if self.kind == "dense" else VARLEN_PATHS
+
+    def describe(self) -> str:
+        heads = f"H={self.h_q}" + (f"/{self.h_kv} (GQA)" if self.gqa else "")
+        if self.kind == "varlen":
+            shape = f"varlen {len(self.seq_lens)} seqs of {min(self.seq_lens)}..{self.seq} ({sum(self.seq_lens)} tokens)"
+        else:
+            shape = f"B={self.batch} S={self.seq}"
+        extra = ", host cost" if self.host else ""
+        return f"{shape} {heads} D={self.head_dim}{' causal' if self.causal else ''}{extra}"
+
+
+def _dense(b: int, h: int, s: int, d: int, causal: bool) -> Case:
+    return Case(f"b{b}_h{h}_s{s}_d{d}" + ("_causal" if causal else ""), "dense", b, h, h, s, d, causal)
+
+
+def _varlen_lengths(n: int = 16, low: int = 128, high: int = 4096, seed: int = 0) -> tuple[int, ...]:
+    rng = random.Random(seed)  # fixed seed: the same mix on every run and machine
+    return tuple(rng.randint(low, high) for _ in range(n))
+
+
+_LENS = _varlen_lengths()
+
+#: The default matrix: FACTS.md section 2's six dense shapes, a Llama-3 GQA long sequence, a varlen
+#: mix, and the tiny shape whose time is all host cost.
+MATRIX: tuple[Case, ...] = (
+    *(_dense(b, h, s, d, c) for b, h, s, d in ((4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128))
+      for c in (False, True)),
+    Case("gqa_b1_h32kv8_s16384_d128_causal", "dense", 1, 32, 8, 16384, 128, True),
+    Case("varlen_n16_h16_d128_causal", "varlen", len(_LENS), 16, 16, max(_LENS), 128, True, seq_lens=_LENS),
+    Case("tiny_b1_h2_s128_d64_causal", "dense", 1, 2, 2, 128, 64, True, host=True),
+)
+QUICK_CASES = ("b16_h16_s1024_d64_causal", "varlen_n16_h16_d128_causal", "tiny_b1_h2_s128_d64_causal")
+
+
+def select(names: Iterable | None = None) -> list[Case]:
+    """Cases by name (``Case`` objects pass through); ``None`` is the whole matrix."""
+    if names is None:
+        return list(MATRIX)
+    by_name = {c.name: c for c in MATRIX}
+    out = []
+    for n in names:
+        if not isinstance(n, Case) and n not in by_name:
+            raise ValueError(f"unknown bench case {n!r}. Available cases: {list(by_name)}")
+        out.append(n if isinstance(n, Case) else by_name[n])
+    if not out:
+        raise ValueError(f"no bench case selected. Available cases: {list(by_name)}")
+    return out
+
+
+def quick_matrix() -> list[Case]:
+    return select(QUICK_CASES)
+
+
+def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(modes))
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown mode(s) {bad or modes!r}. Available modes: {list(MODES)}")
+    return modes
+
+
+def check_settings(repeats: int, warmup: int, host_calls: int) -> Preset:
+    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0), ("host_calls", host_calls, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return Preset(repeats, warmup, host_calls)
+
+
+def fwd_flops(case: Case) -> float:
+    """Forward flops: 4*H_q*D per (query, key) pair (QK^T and PV), half the pairs when causal."""
+    pairs = sum(n * n for n in case.seq_lens) if case.kind == "varlen" else case.batch * case.seq * case.seq
+    total = 4 * case.h_q * pairs * case.head_dim
+    return float(total // 2 if case.causal else total)
+
+
+def flops(case: Case, mode: str) -> float:
+    return fwd_flops(case) * (BWD_FACTOR if mode == "fwd_bwd" else 1.0)
+
+
+# ------------------------------------------------------------------------------------ rows (pure)
+
+
+@dataclass
+class Row:
+    """One (case, mode, path) result; see the module docstring for each metric."""
+
+    case: str
+    kind: str
+    mode: str
+    path: str
+    seq: int
+    causal: bool
+    status: str = "ok"
+    reason: str = ""
+    median_ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    tflops: float | None = None
+    vs_native: float | None = None
+    peak_mib: float | None = None
+    inputs_mib: float | None = None
+    host_us: float | None = None
+    host_vs_native: float | None = None
+    repeats: int = 0
+    input_sets: int = 0
+    calls: int = 0
+    served: int | None = None
+    fallbacks: int | None = None
+    fallback_reasons: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Measurement:
+    """What was measured for one path (filled by ``run``; ``summarize`` turns it into a Row)."""
+
+    path: str
+    times_ms: list = field(default_factory=list)
+    skip: str | None = None  # why the path did not run
+    error: bool = False  # the skip is an unexpected exception, not PyTorch declining the path
+    calls: int = 0
+    served: int = 0
+    fallback: dict = field(default_factory=dict)
+    peak_mib: float | None = None
+    host_us: float | None = None
+    step: Callable | None = None
+
+
+def _quantile(ordered: list, q: float) -> float:
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _provider_status(row: Row, mode: str) -> tuple[str, str]:
+    expected = row.calls * (2 if mode == "fwd_bwd" else 1)  # a forward and a backward per call
+    if row.fallbacks:
+        reasons = ", ".join(f"{r}={n}" for r, n in sorted(row.fallback_reasons.items()))
+        return "fallback", f"{row.fallbacks} of {expected} provider calls fell back ({reasons})"
+    if row.served != expected:
+        return "unserved", f"{row.served} of {expected} calls reached the provider"
+    return "ok", ""
+
+
+def summarize(case: Case, mode: str, m: Measurement, inputs_mib: float, input_sets: int) -> Row:
+    """A Row from one path's measurement (pure)."""
+    row = Row(case.name, case.kind, mode, m.path, case.seq, case.causal, inputs_mib=inputs_mib,
+              input_sets=input_sets, calls=m.calls)
+    if m.skip is not None:
+        row.status, row.reason = ("error" if m.error else "skipped"), m.skip
+        return row
+    ordered = sorted(m.times_ms)
+    row.median_ms, row.p20_ms, row.p80_ms = statistics.median(ordered), _quantile(ordered, 0.2), _quantile(ordered, 0.8)
+    row.tflops = flops(case, mode) / (row.median_ms * 1e-3) / 1e12
+    row.repeats, row.peak_mib, row.host_us = len(ordered), m.peak_mib, m.host_us
+    if m.path == "provider":
+        row.served, row.fallbacks, row.fallback_reasons = m.served, sum(m.fallback.values()), dict(m.fallback)
+        row.status, row.reason = _provider_status(row, mode)
+    return row
+
+
+def add_ratios(rows: list[Row]) -> list[Row]:
+    """Fill ``vs_native`` / ``host_vs_native`` against each (case, mode)'s baseline row."""
+    base = {(r.case, r.mode): r for r in rows if r.path == BASELINE[r.kind] and r.median_ms}
+    for r in rows:
+        b = base.get((r.case, r.mode))
+        if b is not None and r.median_ms:
+            r.vs_native = b.median_ms / r.median_ms
+        if b is not None and b.host_us and r.host_us:
+            r.host_vs_native = b.host_us / r.host_us
+    return rows
+
+
+# ------------------------------------------------------------------------------- measuring (GPU)
+
+
+class _Set:
+    """One input set: q, k, v, grad_out (requiring grad) and detached views for the fwd mode."""
+
+    def __init__(self, q, k, v, g, cu):
+        self.q, self.k, self.v = (t.requires_grad_() for t in (q, k, v))
+        self.qd, self.kd, self.vd = q.detach(), k.detach(), v.detach()
+        self.g, self.cu = g, cu
+
+
+def _shapes(case: Case) -> tuple[tuple, tuple]:
+    if case.kind == "varlen":
+        t = sum(case.seq_lens)
+        return (t, case.h_q, case.head_dim), (t, case.h_kv, case.head_dim)
+    return (case.batch, case.h_q, case.seq, case.head_dim), (case.batch, case.h_kv, case.seq, case.head_dim)
+
+
+def _set_bytes(case: Case, mode: str = "fwd_bwd") -> int:
+    sq, skv = _shapes(case)
+    elems = math.prod(sq) * (2 if mode == "fwd_bwd" else 1) + 2 * math.prod(skv)
+    return 2 * elems  # bf16
+
+
+def _make_sets(case: Case) -> list[_Set]:
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.name.encode()))  # fresh per case, reproducible
+    sq, skv = _shapes(case)
+    cu = None
+    if case.kind == "varlen":
+        cu = torch.tensor([0, *itertools.accumulate(case.seq_lens)], dtype=torch.int32, device="cuda")
+    n = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / _set_bytes(case))))
+
+    def rnd(shape):
+        return torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    return [_Set(rnd(sq), rnd(skv), rnd(skv), rnd(sq), cu) for _ in range(n)]
+
+
+def _varlen_kwargs(fn, causal: bool) -> dict:
+    # torch 2.11+ folds is_causal into window_size ((-1, 0) is causal; compared as a tuple).
+    if "window_size" in inspect.signature(fn).parameters:
+        return {"window_size": (-1, 0) if causal else (-1, -1)}
+    return {"is_causal": causal}
+
+
+def _attn(case: Case) -> Callable:
+    if case.kind == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        kw, m = _varlen_kwargs(varlen_attn, case.causal), case.seq
+        return lambda s, q, k, v: varlen_attn(q, k, v, s.cu, s.cu, m, m, **kw)
+    sdpa, causal, gqa = F.scaled_dot_product_attention, case.causal, case.gqa
+    return lambda s, q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+def _step(case: Case, mode: str) -> Callable:
+    attn = _attn(case)
+    if mode == "fwd":
+        return lambda s: attn(s, s.qd, s.kd, s.vd)
+
+    def fwd_bwd(s):
+        torch.autograd.grad(attn(s, s.q, s.k, s.v), (s.q, s.k, s.v), s.g)
+
+    return fwd_bwd
+
+
+@contextlib.contextmanager
+def _provider_scope(m: Measurement):
+    before = counters.stats()
+    try:
+        with activation.enable():
+            yield
+    finally:
+        for p in (counters.stats() - before).to_dict().values():
+            m.served += p["served"]
+            for reason, n in p["fallback"].items():
+                m.fallback[reason] = m.fallback.get(reason, 0) + n
+
+
+def _scope(m: Measurement):
+    if m.path == "provider":
+        return _provider_scope(m)
+    if m.path in _BACKENDS:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, _BACKENDS[m.path]))
+    return contextlib.nullcontext()
+
+
+def _why(exc: BaseException, caught: list) -> str:
+    said = [str(w.message) for w in caught] + [f"{type(exc).__name__}: {exc}"]
+    said = [_TRIGGERED.sub("", s).strip().splitlines() for s in said]
+    text = "; ".join(dict.fromkeys(lines[0] for lines in said if lines))
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _guard(m: Measurement, fn: Callable) -> None:
+    """Run ``fn`` in the path's scope; an exception marks the path errored (the run goes on)."""
+    try:
+        with _scope(m):
+            fn()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - recorded in the row
+        m.skip, m.error = _why(exc, []), True
+
+
+def _probe(m: Measurement, case: Case, mode: str, sets: list) -> None:
+    """One call: builds graphs, and finds the paths PyTorch cannot run (skipped, with its reasons)."""
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # PyTorch explains "No available kernel" in warnings
+            m.step = _step(case, mode)
+            with _scope(m):
+                m.step(sets[0])
+                m.calls += 1
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - recorded in the row
+        m.skip, m.error = _why(exc, caught), m.path == "provider"  # the provider must never raise
+
+
+def _event_times(step: Callable, sets: list, n: int, warmup: int) -> list[float]:
+    for i in range(warmup):
+        step(sets[i % len(sets)])
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    torch.cuda.synchronize()
+    for i in range(n):
+        s = sets[(warmup + i) % len(sets)]  # rotate: never re-read the set the last call used
+        starts[i].record()
+        step(s)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in zip(starts, ends)]
+
+
+def _peak_mib(step: Callable, s: _Set) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(s)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _host_us(step: Callable, sets: list, n: int) -> float:
+    torch.cuda.synchronize()
+    t0 = perf_counter()
+    for i in range(n):
+        step(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    return (perf_counter() - t0) / n * 1e6
+
+
+def _timed(m: Measurement, sets: list, n: int, warmup: int) -> None:
+    m.times_ms += _event_times(m.step, sets, n, warmup)
+    m.calls += n + warmup
+
+
+def _extras(m: Measurement, sets: list, case: Case, host_calls: int) -> None:
+    m.peak_mib = _peak_mib(m.step, sets[0])
+    m.calls += 1
+    if case.host:
+        m.host_us = _host_us(m.step, sets, host_calls)
+        m.calls += host_calls
+
+
+def _bench_mode(case: Case, mode: str, sets: list, cfg: Preset, tick: Callable) -> list[Measurement]:
+    ms = [Measurement(p) for p in case.paths]
+    for m in ms:
+        _probe(m, case, mode, sets)
+    live = [m for m in ms if m.skip is None]
+    first = (cfg.repeats + 1) // 2
+    for order, n, warm in ((live, first, cfg.warmup), (live[::-1], cfg.repeats - first, 1)):  # ABBA
+        for m in order if n else ():
+            if m.skip is None:
+                _guard(m, lambda m=m, n=n, warm=warm: _timed(m, sets, n, warm))
+    for m in ms:
+        if m.skip is None:
+            _guard(m, lambda m=m: _extras(m, sets, case, cfg.host_calls))
+        tick(f"{case.name} {mode} {m.path}")
+    return ms
+
+
+def _bench_case(case: Case, modes: tuple, cfg: Preset, tick: Callable) -> list[Row]:
+    sets = _make_sets(case)
+    try:
+        rows = []
+        for mode in modes:
+            mib = _set_bytes(case, mode) / 2**20
+            rows += [summarize(case, mode, m, mib, len(sets)) for m in _bench_mode(case, mode, sets, cfg, tick)]
+        return rows
+    finally:
+        del sets
+        torch.cuda.empty_cache()
+
+
+def _require_gpu() -> None:
+    if not torch.cuda.is_available():
+        raise BenchError("CUDA is not available; the benchmark times GPU kernels (run it on an NVIDIA GPU)")
+    if activation.enabled():
+        raise BenchError("the provider is already enabled in this process (CUDNN_SDPA_PROVIDER set, or enable() "
+                         "called); the native paths must run with it off: unset CUDNN_SDPA_PROVIDER")
+
+
+def run(matrix: Iterable | None = None, modes: Iterable[str] = MODES, repeats: int = DEFAULT.repeats,
+        warmup: int = DEFAULT.warmup, host_calls: int = DEFAULT.host_calls,
+        progress: Callable[[int, int, str], None] | None = None) -> list[Row]:
+    """Time every (case, mode, path); ``progress(done, total, label)`` is called after each path."""
+    cases, modes, cfg = select(matrix), check_modes(modes), check_settings(repeats, warmup, host_calls)
+    _require_gpu()
+    total, done = sum(len(c.paths) for c in cases) * len(modes), 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
+    rows: list[Row] = []
+    for case in cases:
+        rows += _bench_case(case, modes, cfg, tick)
+    return add_ratios(rows)
+
+
+# --------------------------------------------------------------------------------------- output
+
+
+def collect_meta(argv: list[str] | None = None, **settings) -> dict:
+    """Versions, GPU, date and command line for the JSON file."""
+    from . import __version__
+
+    caps = support.capabilities()
+    return {
+        "package": __version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.argv if argv is None else argv),
+        "gpu": caps.device_name,
+        "compute_capability": list(caps.compute_capability or ()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn_torch": torch.backends.cudnn.version() if caps.cuda else None,
+        "cudnn_backend": support.version_str(caps.cudnn_version),
+        "cudnn_frontend": caps.frontend_version,
+        "cudnn_unavailable": caps.unavailable,
+        "settings": settings,
+        "cases": {c.name: {**dataclasses.asdict(c), "description": c.describe()} for c in MATRIX},
+    }
+
+
+def to_json(rows: list[Row], meta: dict) -> str:
+    return json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=2) + "\n"
+
+
+_HEAD = ("case", "mode", "path", "median ms", "p20-p80 ms", "TFLOP/s", "vs native", "peak MiB", "host us",
+         "host vs native", "served", "note")
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _cells(r: Row) -> tuple:
+    spread = "-" if r.p20_ms is None else f"{r.p20_ms:.3f}-{r.p80_ms:.3f}"
+    served = "-" if r.served is None else f"{r.served}/{r.calls * (2 if r.mode == 'fwd_bwd' else 1)}"
+    note = "" if r.status == "ok" else f"{r.status.upper()}: {r.reason}"
+    note = note if len(note) <= 120 else note[:117] + "..."  # the JSON has the full reason
+    return (r.case, r.mode, r.path, _num(r.median_ms, ".3f"), spread, _num(r.tflops, ".1f"),
+            _num(r.vs_native, ".2f") + ("x" if r.vs_native is not None else ""), _num(r.peak_mib, ".0f"),
+            _num(r.host_us, ".1f"), _num(r.host_vs_native, ".2f") + ("x" if r.host_vs_native is not None else ""),
+            served, note)
+
+
+def format_table(rows: list[Row]) -> str:
+    """Plain-text table, a blank line between cases; non-ok rows say why in the note column."""
+    cells = [_HEAD] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(_HEAD) - 1)]
+
+    def line(c: tuple) -> str:
+        text = [c[j].ljust(widths[j]) if j < 3 else c[j].rjust(widths[j]) for j in range(len(widths))]
+        return "  ".join(text + [c[-1]]).rstrip()
+
+    lines = [line(_HEAD)]
+    for prev, r, c in zip([None] + rows[:-1], rows, cells[1:]):
+        if prev is not None and prev.case != r.case:
+            lines.append("")
+        lines.append(line(c))
+    return "\n".join(lines)
+
+
+def require_matplotlib():
+    """matplotlib's Figure class, or an ImportError naming the extra to install."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib: pip install cudnn-sdpa-provider[plot]") from exc
+    return Figure
+
+
+def plot(rows: list[Row], path: str) -> None:
+    """TFLOP/s against sequence length per path, one panel per mode; written to ``path``."""
+    figure = require_matplotlib()
+    good = [r for r in rows if r.status == "ok" and r.tflops]
+    modes = [m for m in MODES if any(r.mode == m for r in good)]
+    if not modes:
+        raise ValueError("no timed rows to plot")
+    fig = figure(figsize=(6.5 * len(modes), 4.5), layout="constrained")
+    axes = fig.subplots(1, len(modes), squeeze=False)[0]
+    paths = list(dict.fromkeys(r.path for r in good))
+    for ax, mode in zip(axes, modes):
+        for i, p in enumerate(paths):
+            for causal, marker in ((False, "o"), (True, "^")):
+                pts = sorted((r.seq, r.tflops) for r in good if r.mode == mode and r.path == p and r.causal == causal)
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, linestyle="none", color=f"C{i}",
+                            label=p + (" causal" if causal else ""))
+        ax.set_xscale("log", base=2)
+        ax.set(title=mode, xlabel="sequence length (varlen: longest)", ylabel="TFLOP/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.savefig(path)

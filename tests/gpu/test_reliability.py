@@ -1,0 +1,327 @@
+"""GPU tier: fuzzed parity, concurrency, host syncs, memory, workspace gate, compile (Reliability issue)."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import cudnn_sdpa_provider as csp
+from cudnn_sdpa_provider import counters, graphs, reference, support
+from tests.util import rel_error
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+FUZZ_EXAMPLES = int(os.environ.get("CSP_FUZZ_EXAMPLES", "100"))
+FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+# ----------------------------------------------------------------------------------- fuzzing
+
+dense_configs = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from([torch.bfloat16, torch.float16]),
+        "b": st.sampled_from([1, 2, 3]),
+        "h_k": st.sampled_from([1, 2, 4]),
+        "group": st.sampled_from([1, 2, 4]),
+        "v_heads_same": st.booleans(),
+        "s_q": st.sampled_from([1, 2, 17, 64, 128, 200]),
+        "s_kv": st.sampled_from([1, 17, 64, 128, 200, 256]),
+        "dims": st.sampled_from([(64, 64), (128, 128), (64, 128), (192, 128), (256, 256), (36, 36)]),
+        "mask": st.sampled_from(["none", "causal", "causal_br", "window", "window_br", "band"]),
+        "sinks": st.booleans(),
+        "padded": st.sampled_from(["no", "yes", "with_one", "with_zero"]),
+        "order": st.sampled_from(["bhsd", "bshd", "sbhd", "hbsd"]),
+        "odd": st.sampled_from(["no", "slice", "offset"]),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+def _make(cfg, h, s, d, gen):
+    shape = dict(b=cfg["b"], h=h, s=s, d=d)
+    sizes = [shape[c] for c in cfg["order"]]
+    if cfg["odd"] == "slice":
+        sizes[-1] *= 2
+    n = math.prod(sizes) + (1 if cfg["odd"] == "offset" else 0)
+    flat = torch.randn(n, device=DEV, generator=gen).to(cfg["dtype"])
+    base = flat[1:] if cfg["odd"] == "offset" else flat
+    t = base.view(sizes)
+    if cfg["odd"] == "slice":
+        t = t[..., ::2] if cfg["order"][-1] == "d" else t.narrow(-1, 0, sizes[-1] // 2)
+    perm = [cfg["order"].index(c) for c in "bhsd"]
+    return t.permute(perm).detach().requires_grad_()
+
+
+def _window(cfg, s_kv):
+    return {
+        "none": ((-1, -1), False),
+        "causal": ((-1, 0), False),
+        "causal_br": ((-1, 0), True),
+        "window": ((max(s_kv // 4, 1), 0), False),
+        "window_br": ((max(s_kv // 4, 1), 0), True),
+        "band": ((7, 5), False),
+    }[cfg["mask"]]
+
+
+def _run_case(cfg):
+    gen = torch.Generator(device=DEV).manual_seed(cfg["seed"])
+    h_k = cfg["h_k"]
+    h_q = h_k * cfg["group"]
+    h_v = h_k if cfg["v_heads_same"] else 1
+    d_qk, d_v = cfg["dims"]
+    s_q, s_kv, b = cfg["s_q"], cfg["s_kv"], cfg["b"]
+    q = _make(cfg, h_q, s_q, d_qk, gen)
+    k = _make(cfg, h_k, s_kv, d_qk, gen)
+    v = _make(cfg, h_v, s_kv, d_v, gen)
+    window, br = _window(cfg, s_kv)
+    sinks = (torch.randn(h_q, device=DEV, generator=gen)).requires_grad_() if cfg["sinks"] else None
+    lens = {}
+    if cfg["padded"] != "no":
+        lq = torch.randint(1, s_q + 1, (b,), device=DEV, generator=gen, dtype=torch.int32)
+        lk = torch.randint(1, s_kv + 1, (b,), device=DEV, generator=gen, dtype=torch.int32)
+        if cfg["padded"] == "with_one":
+            lq[0], lk[0] = 1, 1
+        if cfg["padded"] == "with_zero" and b > 1:
+            lk[-1] = 0
+        lens = dict(seq_lens_q=lq, seq_lens_kv=lk)
+    go = torch.randn(b, h_q, s_q, d_v, device=DEV, generator=gen).to(cfg["dtype"])
+    kwargs = dict(scale=1 / math.sqrt(d_qk), window=window, bottom_right=br, sinks=sinks, **lens)
+    before = counters.stats()
+    out = csp.attention(q, k, v, **kwargs)
+    out.backward(go)
+    delta = counters.stats() - before
+    for path in ("dense_fwd", "dense_bwd"):
+        assert delta.total(path) == 1, f"{path} must be counted once: {delta.to_dict()}"
+    ref_kw = dict(scale=kwargs["scale"], window=window, bottom_right=br,
+                  seq_len_q=lens.get("seq_lens_q"), seq_len_kv=lens.get("seq_lens_kv"))
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sinks.detach().float().requires_grad_() if sinks is not None else None
+    ref, _ = reference.dense(*leaves, sinks=sink_leaf, **ref_kw)
+    ref.backward(go.float())
+    # The FlashAttention maintainers' rule: error <= max(3 x the error of plain low-precision
+    # attention, a dtype floor). "Plain low precision" = the same math in the input dtype.
+    with torch.no_grad():
+        low, _ = reference.dense(q.detach(), k.detach(), v.detach(), sinks=sinks, compute_dtype=cfg["dtype"], **ref_kw)
+    base_err, _ = rel_error(low, ref)
+    budget = max(3 * base_err, FLOOR[cfg["dtype"]])
+    checks = [("out", out, ref, budget)]
+    grad_budget = max(budget * 2, FLOOR[cfg["dtype"]] * 3)
+    checks += [("dq", q.grad, leaves[0].grad, grad_budget),
+               ("dk", k.grad, leaves[1].grad, grad_budget * math.sqrt(cfg["group"])),
+               ("dv", v.grad, leaves[2].grad, grad_budget * math.sqrt(h_q // h_v))]
+    if sinks is not None:
+        checks.append(("dsinks", sinks.grad, sink_leaf.grad, grad_budget))
+    for name, got, want, tol in checks:
+        assert not torch.isnan(got).any(), f"{name} has NaN ({delta.to_dict()})"
+        err, worst = rel_error(got, want)
+        assert err <= tol, f"{name}: rel err {err:.2e} > {tol:.2e} at {worst}; telemetry {delta.to_dict()}"
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+@given(cfg=dense_configs)
+# Regression cases: configurations that once failed stay here.
+@example(cfg=dict(dtype=torch.bfloat16, b=2, h_k=1, group=4, v_heads_same=False, s_q=1, s_kv=256, dims=(64, 64),
+                  mask="causal_br", sinks=False, padded="with_one", order="bhsd", odd="no", seed=1))
+@example(cfg=dict(dtype=torch.float16, b=3, h_k=2, group=2, v_heads_same=True, s_q=200, s_kv=17, dims=(192, 128),
+                  mask="window_br", sinks=True, padded="with_zero", order="sbhd", odd="offset", seed=2))
+def test_fuzzed_dense_parity(cfg):
+    _run_case(cfg)
+
+
+varlen_configs = st.fixed_dictionaries(
+    {
+        "lens": st.lists(st.sampled_from([0, 1, 2, 31, 64, 100, 255]), min_size=1, max_size=6),
+        "h_k": st.sampled_from([1, 2, 4]),
+        "group": st.sampled_from([1, 2]),
+        "d": st.sampled_from([64, 128]),
+        "mask": st.sampled_from(["none", "causal", "window"]),
+        "tail": st.sampled_from([0, 3]),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+@settings(max_examples=max(FUZZ_EXAMPLES // 4, 10), deadline=None, suppress_health_check=list(HealthCheck))
+@given(cfg=varlen_configs)
+def test_fuzzed_varlen_parity(cfg):
+    gen = torch.Generator(device=DEV).manual_seed(cfg["seed"])
+    lens = cfg["lens"]
+    h_k, d = cfg["h_k"], cfg["d"]
+    h_q = h_k * cfg["group"]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=DEV)
+    total = int(cu[-1]) + cfg["tail"]
+    q = torch.randn(total, h_q, d, device=DEV, generator=gen).bfloat16().requires_grad_()
+    k = torch.randn(total, h_k, d, device=DEV, generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(total, h_k, d, device=DEV, generator=gen).bfloat16().requires_grad_()
+    window = {"none": (-1, -1), "causal": (-1, 0), "window": (16, 0)}[cfg["mask"]]
+    max_len = max(max(lens), 1)
+    go = torch.randn(total, h_q, d, device=DEV, generator=gen).bfloat16()
+    out = csp.attention(q, k, v, window=window, bottom_right=True, cu_seqlens_q=cu, max_seqlen_q=max_len,
+                        max_seqlen_kv=max_len)
+    out.backward(go)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference.varlen(*leaves, cu, cu, max_len, max_len, scale=1 / math.sqrt(d), window=window,
+                              bottom_right=True)
+    ref.backward(go.float())
+    for name, got, want, tol in (("out", out, ref, 2e-2), ("dq", q.grad, leaves[0].grad, 4e-2),
+                                 ("dk", k.grad, leaves[1].grad, 4e-2 * math.sqrt(cfg["group"])),
+                                 ("dv", v.grad, leaves[2].grad, 4e-2 * math.sqrt(cfg["group"]))):
+        assert not torch.isnan(got).any(), f"{name} has NaN (lens {lens})"
+        err, worst = rel_error(got, want)
+        assert err <= tol, f"{name}: rel err {err:.2e} > {tol} at {worst} (lens {lens})"
+
+
+# ------------------------------------------------------------------------------- concurrency
+
+
+def test_threads_match_sequential_and_counts_are_exact():
+    shapes = [(1, 4, 64, 64), (2, 8, 128, 64), (1, 2, 200, 128), (2, 4, 96, 64)]
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    inputs = [tuple(torch.randn(s, device=DEV, generator=gen).bfloat16() for _ in range(3)) for s in shapes]
+    expected = [csp.attention(q, k, v, is_causal=True) for q, k, v in inputs]
+    torch.cuda.synchronize()
+    threads, calls = 8, 200
+    errors, before = [], counters.stats()
+
+    def worker(tid):
+        stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                for i in range(calls):
+                    j = (tid + i) % len(inputs)
+                    out = csp.attention(*inputs[j], is_causal=True)
+                    if i % 50 == 0:
+                        stream.synchronize()
+                        if not torch.equal(out, expected[j]):
+                            errors.append(f"thread {tid} call {i}: differs from the sequential result")
+            stream.synchronize()
+        except BaseException as exc:  # reported below
+            errors.append(repr(exc))
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors, errors[:5]
+    delta = counters.stats() - before
+    assert delta.served["dense_fwd"] == threads * calls and delta.fallbacks("dense_fwd") == 0, delta.to_dict()
+
+
+# -------------------------------------------------------------------------------- host syncs
+
+
+def test_no_host_syncs_in_steady_state():
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    q, k, v = (torch.randn(2, 8, 256, 64, device=DEV, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    lens = [100, 3, 153]
+    cu = torch.tensor([0, 100, 103, 256], dtype=torch.int32, device=DEV)
+    qv, kv, vv = (torch.randn(256, 8, 64, device=DEV, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+
+    def step():
+        csp.attention(q, k, v, is_causal=True).sum().backward()
+        csp.attention(qv, kv, vv, is_causal=True, bottom_right=True, cu_seqlens_q=cu, max_seqlen_q=max(lens),
+                      max_seqlen_kv=max(lens)).sum().backward()
+
+    step()  # warm-up: graphs built, capabilities cached
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.slow
+def test_memory_flat_over_5000_calls_and_200_shapes():
+    graphs.set_capacity(512)
+    try:
+        gen = torch.Generator(device=DEV).manual_seed(7)
+        shapes = [(1, 2, s, 64) for s in range(1, 201)]
+
+        def one(i):
+            q = torch.randn(shapes[i % 200], device=DEV, generator=gen).bfloat16().requires_grad_()
+            csp.attention(q, q, q, is_causal=True).sum().backward()
+
+        for i in range(200):  # warm-up cycle builds every graph
+            one(i)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        allocated0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+        for i in range(2500):  # 2,500 forward + 2,500 backward calls
+            one(i)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        allocated1, free1 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+        assert allocated1 <= allocated0 * 1.01 + (1 << 20), (allocated0, allocated1)
+        total = torch.cuda.mem_get_info()[1]
+        assert free0 - free1 <= 0.01 * (total - free0) + (64 << 20), (free0, free1)
+    finally:
+        graphs.set_capacity(256)
+
+
+def test_eviction_never_breaks_an_inflight_backward():
+    graphs.set_capacity(1)
+    try:
+        gen = torch.Generator(device=DEV).manual_seed(8)
+        q1 = torch.randn(1, 2, 64, 64, device=DEV, generator=gen).bfloat16().requires_grad_()
+        q2 = torch.randn(1, 2, 96, 64, device=DEV, generator=gen).bfloat16().requires_grad_()
+        out1 = csp.attention(q1, q1, q1, is_causal=True)
+        out2 = csp.attention(q2, q2, q2, is_causal=True)  # evicts out1's forward graph
+        (out1.float().sum() + out2.float().sum()).backward()
+        ref, _ = reference.dense(q1.detach().float(), q1.detach().float(), q1.detach().float(), scale=1 / 8,
+                                 window=(-1, 0))
+        assert rel_error(out1, ref)[0] < 2e-2 and torch.isfinite(q1.grad).all() and torch.isfinite(q2.grad).all()
+    finally:
+        graphs.set_capacity(256)
+
+
+def test_deterministic_workspace_gate_falls_back_instead_of_oom(monkeypatch):
+    caps = support.capabilities(torch.cuda.current_device())
+    if caps.compute_capability != (9, 0) or caps.cudnn_version >= support.DETERMINISTIC_SMALL_WS_MIN:
+        pytest.skip("the O(S^2) deterministic workspace applies to sm_90 with cuDNN < 9.25 only")
+    monkeypatch.setenv("CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB", "1")
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        q = torch.randn(2, 8, 512, 64, device=DEV).bfloat16().requires_grad_()
+        before = counters.stats()
+        csp.attention(q, q, q, is_causal=True).sum().backward()
+        delta = counters.stats() - before
+        assert delta.fallback["dense_bwd"] == {"deterministic_workspace": 1}, delta.to_dict()
+        assert torch.isfinite(q.grad).all()
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+# ------------------------------------------------------------------------------------ compile
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_no_recompiles_with_changing_batch(dynamic):
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    def f(q, k, v, sinks):
+        return csp.attention(q, k, v, window=(31, 0), sinks=sinks).float().square().mean()
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    sinks = torch.zeros(4, device=DEV, requires_grad=True)
+    before = counters.stats()
+    batches = [2, 3, 4, 5, 2, 6, 7, 3, 8, 4] if dynamic else [2] * 10
+    for b in batches:
+        q = torch.randn(b, 4, 128, 64, device=DEV).bfloat16().requires_grad_()
+        compiled(q, q, q, sinks).backward()
+    delta = counters.stats() - before
+    assert delta.served["dense_fwd"] == 10 and delta.served["dense_bwd"] == 10, delta.to_dict()
+    assert dynamo_counters["stats"]["unique_graphs"] <= 1, dict(dynamo_counters["stats"])

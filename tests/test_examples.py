@@ -1,0 +1,110 @@
+"""The examples run (CPU tier): each in a fresh interpreter, as a user would run it.
+
+On a machine without CUDA every attention call falls back with reason ``no_cuda``; the examples
+must say so and exit 0. The unmodified script is run under the environment-variable opt-in with
+the startup hook processed from a temporary site directory (``.pth`` files are only read there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cudnn_sdpa_provider.reasons import PATHS
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+PTH = REPO / "cudnn_sdpa_provider_startup.pth"
+_OPT_IN = ("CUDNN_SDPA_PROVIDER", "CUDNN_SDPA_PROVIDER_REPORT", "CUDNN_SDPA_PROVIDER_LOG")
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _OPT_IN}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env
+
+
+def _run(args, cwd, **extra) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(**extra), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# (example, lines that must appear in stdout)
+CASES = {
+    "train_loop.py": ["trained 3 steps on", "attention calls: 12,", "dense_fwd"],
+    "varlen_packing.py": ["csp.attention packed: lengths [5, 12, 3, 9] -> out (29, 4, 64), lse (29, 4) (T, H)",
+                          "max |out - per-sequence F.sdpa|", "varlen_fwd"],
+    "sinks.py": ["out (2, 8, 256, 64)", "sinks.grad: [", "dense_bwd"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_runs(name, tmp_path):
+    result = _run([str(EXAMPLES / name)], cwd=tmp_path)
+    for line in CASES[name]:
+        assert line in result.stdout, f"{line!r} not in the output of {name}:\n{result.stdout}"
+    if _no_cuda():
+        assert "no_cuda=" in result.stdout, result.stdout  # fallbacks are reported, not hidden
+
+
+def test_varlen_example_says_why_it_skips_on_cpu(tmp_path):
+    if not _no_cuda():
+        pytest.skip("the skip message is only printed on a machine without CUDA")
+    result = _run([str(EXAMPLES / "varlen_packing.py")], cwd=tmp_path)
+    assert "varlen_attn part skipped: torch.nn.attention.varlen.varlen_attn needs CUDA" in result.stdout
+    error = float(result.stdout.split("max |out - per-sequence F.sdpa| = ")[1].split()[0])
+    assert error < 1e-4, result.stdout
+
+
+def test_unmodified_script_does_not_import_the_package():
+    source = (EXAMPLES / "unmodified_script.py").read_text()
+    assert "import cudnn_sdpa_provider" not in source
+    assert "from cudnn_sdpa_provider" not in source
+
+
+_SITE_RUNNER = ("import runpy, site, sys; site.addsitedir(sys.argv[1]); sys.argv = sys.argv[2:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def _run_with_startup_hook(tmp_path, **extra) -> subprocess.CompletedProcess:
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copy(PTH, site_dir / PTH.name)
+    return _run(["-c", _SITE_RUNNER, str(site_dir), str(EXAMPLES / "unmodified_script.py")], cwd=tmp_path, **extra)
+
+
+def test_unmodified_script_under_env_var_writes_report(tmp_path):
+    report = tmp_path / "run.json"
+    result = _run_with_startup_hook(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(report))
+    assert "step 1: loss" in result.stdout, result.stdout
+    assert "startup hook skipped" not in result.stderr and "not enabled" not in result.stderr, result.stderr
+    data = json.loads(report.read_text())
+    assert set(data) == set(PATHS) | {"meta"}
+    assert data["meta"]["enabled"] is True
+    calls = data["dense_fwd"]["served"] + sum(data["dense_fwd"]["fallback"].values())
+    assert calls == 4, data  # 2 attention layers x 2 steps
+    if _no_cuda():
+        assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": 4}}, data
+        assert data["dense_bwd"] == {"served": 0, "fallback": {"no_cuda": 4}}, data
+
+
+def test_unmodified_script_without_opt_in_writes_nothing(tmp_path):
+    report = tmp_path / "run.json"
+    result = _run_with_startup_hook(tmp_path, CUDNN_SDPA_PROVIDER="0", CUDNN_SDPA_PROVIDER_REPORT=str(report))
+    assert "step 1: loss" in result.stdout, result.stdout
+    assert not report.exists()
