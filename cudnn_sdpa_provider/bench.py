@@ -115,7 +115,8 @@ class Case:
     def describe(self) -> str:
         heads = f"H={self.h_q}" + (f"/{self.h_kv} (GQA)" if self.gqa else "")
         if self.kind == "varlen":
-            shape = f"varlen {len(self.seq_lens)} seqs of {min(self.seq_lens)}..{self.seq} ({sum(self.seq_lens)} tokens)"
+            lens = self.seq_lens
+            shape = f"varlen {len(lens)} seqs of {min(lens)}..{max(lens)} ({sum(lens)} tokens)"
         else:
             shape = f"B={self.batch} S={self.seq}"
         extra = ", host cost" if self.host else ""
@@ -149,6 +150,8 @@ def select(names: Iterable | None = None) -> list[Case]:
     """Cases by name (``Case`` objects pass through); ``None`` is the whole matrix."""
     if names is None:
         return list(MATRIX)
+    if isinstance(names, (str, Case)):
+        names = [names]
     by_name = {c.name: c for c in MATRIX}
     out = []
     for n in names:
@@ -415,7 +418,7 @@ def _event_times(step: Callable, sets: list, n: int, warmup: int) -> list[float]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     torch.cuda.synchronize()
     for i in range(n):
-        s = sets[(warmup + i) % len(sets)]  # rotate: never re-read the set the last call used
+        s = sets[(warmup + i) % len(sets)]  # rotate on from the warm-up: sets too big for L2 are never hot
         starts[i].record()
         step(s)
         ends[i].record()
@@ -587,6 +590,10 @@ def require_matplotlib():
     return Figure
 
 
+_SERIES = (("dense", False, "o", ""), ("dense", True, "^", " causal"), ("varlen", False, "D", " varlen"),
+           ("varlen", True, "s", " varlen causal"))  # (kind, causal, marker, label suffix)
+
+
 def plot(rows: list[Row], path: str) -> None:
     """TFLOP/s against sequence length per path, one panel per mode; written to ``path``."""
     figure = require_matplotlib()
@@ -599,11 +606,11 @@ def plot(rows: list[Row], path: str) -> None:
     paths = list(dict.fromkeys(r.path for r in good))
     for ax, mode in zip(axes, modes):
         for i, p in enumerate(paths):
-            for causal, marker in ((False, "o"), (True, "^")):
-                pts = sorted((r.seq, r.tflops) for r in good if r.mode == mode and r.path == p and r.causal == causal)
+            for kind, causal, marker, tag in _SERIES:
+                pts = sorted((r.seq, r.tflops) for r in good
+                             if r.mode == mode and r.path == p and r.kind == kind and r.causal == causal)
                 if pts:
-                    ax.plot(*zip(*pts), marker=marker, linestyle="none", color=f"C{i}",
-                            label=p + (" causal" if causal else ""))
+                    ax.plot(*zip(*pts), marker=marker, linestyle="none", color=f"C{i}", label=p + tag)
         ax.set_xscale("log", base=2)
         ax.set(title=mode, xlabel="sequence length (varlen: longest)", ylabel="TFLOP/s")
         ax.grid(True, alpha=0.3)

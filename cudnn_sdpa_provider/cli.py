@@ -52,7 +52,9 @@ def _bench_parser(sub) -> None:
         "bench", help="time the provider side by side with PyTorch's native attention paths",
         description="Time the provider side by side with native cuDNN, flash and efficient attention (and "
                     "native varlen_attn) in one process on the same inputs: a table on stdout, progress on stderr.",
-        epilog=f"Exit status {EXIT_NO_CUDA} when CUDA is not available, {EXIT_USAGE} for bad options.")
+        epilog=f"Exit status {EXIT_NO_CUDA} when CUDA is not available, {EXIT_USAGE} for bad options, {EXIT_FAILURE} "
+               "when the provider is already enabled in the process or the --plot file could not be written "
+               "(the table and --json are written all the same).")
     bench.add_argument("--quick", action="store_true",
                        help="smoke preset: 3 cases, 5 repeats, 2 warm-up calls, 50 host-cost calls")
     bench.add_argument("--shapes", metavar="NAMES", help="comma-separated case names (default: all; see --list)")
@@ -74,20 +76,25 @@ def _cmd_run(args) -> int:
     if not os.path.exists(args.script):
         print(f"cudnn-sdpa run: no such script: {args.script}", file=sys.stderr)
         return EXIT_USAGE
-    argv = sys.argv
+    argv, path = sys.argv, list(sys.path)
     sys.argv = [args.script] + list(args.args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))  # as `python script.py` does
     code = EXIT_OK
     activation = enable(strict=args.strict)
     try:
         runpy.run_path(args.script, run_name="__main__")
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_FAILURE)
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or EXIT_OK
+        else:  # sys.exit("message"): Python prints the message and exits 1
+            print(exc.code, file=sys.stderr)
+            code = EXIT_FAILURE
     finally:
-        activation.remove()
-        sys.argv = argv
-        print("\ncudnn-sdpa-provider report:\n" + report(), file=sys.stderr)
         if args.report:
-            write_report(args.report)
+            write_report(args.report)  # while still enabled, like the environment-variable route
+        activation.remove()
+        sys.argv, sys.path[:] = argv, path
+        print("\ncudnn-sdpa-provider report:\n" + report(), file=sys.stderr)
     return code
 
 
@@ -101,6 +108,9 @@ def _cmd_demo(args) -> int:
         if not torch.cuda.is_available():
             print("cudnn-sdpa demo: --device cuda but CUDA is not available", file=sys.stderr)
             return EXIT_USAGE
+    if args.steps < 1:
+        print(f"cudnn-sdpa demo: --steps must be >= 1, got {args.steps}", file=sys.stderr)
+        return EXIT_USAGE
     result = run_demo(steps=args.steps, device=args.device, strict=args.strict)
     if args.json:
         print(json.dumps({"device": result["device"], "losses": result["losses"], **result["stats"].to_dict()},
@@ -153,7 +163,7 @@ def _progress(stream=None):
 
 
 def _bench_options(args, bench):
-    """(cases, modes, preset) from the options; ValueError/ImportError for bad ones."""
+    """(cases, modes, preset) from the options; ValueError for bad ones."""
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     if args.shapes:
         cases = bench.select(split(args.shapes))
@@ -162,9 +172,16 @@ def _bench_options(args, bench):
     preset = bench.QUICK if args.quick else bench.DEFAULT
     settings = bench.check_settings(preset.repeats if args.repeats is None else args.repeats,
                                     preset.warmup if args.warmup is None else args.warmup, preset.host_calls)
-    if args.plot:
-        bench.require_matplotlib()
     return cases, bench.check_modes(split(args.modes)), settings
+
+
+def _plot_problem(path: str | None, bench) -> str | None:
+    if path:
+        try:
+            bench.require_matplotlib()
+        except ImportError as exc:
+            return f"--plot {path} will not be written: {exc}"
+    return None
 
 
 def _cmd_bench(args) -> int:
@@ -176,9 +193,12 @@ def _cmd_bench(args) -> int:
         return EXIT_OK
     try:
         cases, modes, settings = _bench_options(args, bench)
-    except (ValueError, ImportError) as exc:
+    except ValueError as exc:
         print(f"cudnn-sdpa bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    no_plot = _plot_problem(args.plot, bench)
+    if no_plot:  # said now, not after the run; the table and JSON are still written
+        print(f"cudnn-sdpa bench: {no_plot}", file=sys.stderr)
     import torch
 
     if not torch.cuda.is_available():
@@ -197,8 +217,14 @@ def _cmd_bench(args) -> int:
                                   **{k: getattr(settings, k) for k in ("repeats", "warmup", "host_calls")})
         with open(args.json, "w") as fh:
             fh.write(bench.to_json(rows, meta))
-    if args.plot:
-        bench.plot(rows, args.plot)
+    if args.plot and not no_plot:
+        try:
+            bench.plot(rows, args.plot)
+        except ValueError as exc:
+            no_plot = f"--plot {args.plot} not written: {exc}"
+    if no_plot:
+        print(f"cudnn-sdpa bench: {no_plot}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 

@@ -32,6 +32,9 @@ def explain(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, window=(
     only sees while enabled; ``False`` describes a direct ``attention()`` call.
     Returns ``{"dense_fwd": [...], "dense_bwd": [...]}`` (or the varlen paths); empty = served.
     """
+    from .functional import _check_common
+
+    _check_common(q, k, v, sinks, 3 if cu_seqlens_q is not None else 4)
     window = support.canonical_window(is_causal, window)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     if cu_seqlens_q is not None:

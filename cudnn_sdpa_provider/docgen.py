@@ -50,41 +50,72 @@ OTHER_SOURCES = {
     "no_cuda": "also the CPU kernels of the `cudnn_sdpa::*` ops (`csp.attention` on CPU tensors, "
                "which run the composite) and the counted CPU SDPA kernel.",
     "cudnn_unavailable": "also `graphs` when nvidia-cudnn-frontend cannot be imported at graph-build time.",
-    "dropout": "also an SDPA call with `return_debug_mask=True`, and the composite fallback, which has "
-               "no dropout.",
-    "graph_not_supported": "`graphs`: cuDNN rejected the graph while validating or building it; "
-                           "`overrides`: a varlen_attn call with `seqused_k` / `block_table` (paged KV).",
+    "dropout": "also an SDPA call with `return_debug_mask=True` (the dropout debug mask).",
+    "graph_not_supported": "`graphs`: cuDNN rejected the graph while validating or building it.",
+    "paged_kv": "`overrides`: a varlen_attn call with `seqused_k` / `block_table`.",
+    "rank": "`overrides`: an F.sdpa call on CUDA tensors that are not 4-D (PyTorch's math route).",
     "deterministic_workspace": "`support.reasons()` after every rule passed: a deterministic backward on "
                                "sm_90 with cuDNN < 9.25 whose workspace exceeds the limit "
                                "(CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB, default half the free "
                                "device memory).",
     "torch_selection": "`overrides`: PyTorch's selector sent an F.sdpa call to flash, efficient, math or the "
                        "CPU kernel although no rule rejects it; the call is counted and runs there.",
-    "nested": "not recorded by this version: SDPA calls on nested (jagged) tensors do not reach the "
-              "provider's kernels and are not counted.",
 }
 
-#: What each version constant in ``support`` means (the values are read from the module).
-_CONSTANTS = (
-    ("MIN_CUDNN", "oldest cuDNN the provider builds graphs for"),
-    ("BLOCKED_CUDNN", "releases withdrawn for SDPA correctness bugs; never used"),
-    ("SINK_MIN", "attention sinks: forward, and the dense backward"),
-    ("SINK_RAGGED_BWD_MIN", "attention sinks: backward on packed (varlen) inputs"),
-    ("DETERMINISTIC_SMALL_WS_MIN", "from here the sm_90 deterministic backward needs no O(B*H*S_q*S_kv) workspace"),
-    ("MAX_HEAD_DIM", "largest head dimension (multiples of 8)"),
-    ("MAX_HEAD_DIM_BWD_PRE_HOPPER", "largest head dimension of a backward before Hopper (sm_80, sm_86, sm_89)"),
-)
+#: What the constants in ``support`` mean (values are read from the module; a constant missing
+#: here is still listed, with the comment next to it in support.py).
+_CONSTANTS = {
+    "MIN_CUDNN": "oldest cuDNN the provider builds graphs for",
+    "BLOCKED_CUDNN": "releases withdrawn for SDPA correctness bugs; never used",
+    "SINK_MIN": "attention sinks: forward, and the dense backward",
+    "SINK_RAGGED_BWD_MIN": "attention sinks: backward on packed (varlen) inputs",
+    "DETERMINISTIC_SMALL_WS_MIN": "from here the sm_90 deterministic backward needs no O(B*H*S_q*S_kv) workspace",
+    "ZERO_LENGTH_OK": "from here cuDNN itself gives 0 (not NaN) for queries with no keys; before it the "
+                      "provider zeroes those rows",
+    "DROPOUT_BROKEN": "dropout is broken from the first version up to, not including, the second; dropout "
+                      "calls there fall back with `cudnn_version`",
+    "MAX_HEAD_DIM": "largest head dimension (multiples of 8)",
+    "MAX_HEAD_DIM_BWD_PRE_HOPPER": "largest head dimension of a backward before Hopper (sm_80, sm_86, sm_89)",
+    "INT32_MAX": "largest packed extent (elements) cuDNN's int32 ragged offsets can address",
+}
 
-#: The example machines of docs/support.md: (column title, capabilities).
+
+def _source_constants() -> list[tuple[str, str]]:
+    """(name, comment) of every upper-case module constant in support.py except RULES, in order."""
+    import inspect
+    import re
+
+    found, block = [], []
+    for line in inspect.getsource(support).splitlines():
+        if line.startswith("#:"):
+            block.append(line[2:].strip())
+            continue
+        m = re.match(r"([A-Z][A-Z0-9_]*)\s*=[^#]*(?:#\s*(.*))?$", line)
+        if m and m.group(1) != "RULES":
+            found.append((m.group(1), m.group(2) or " ".join(block)))
+        block = []
+    return found
+
+
+def _constant_value(value) -> str:
+    def one(v):
+        if isinstance(v, int) and 90000 <= v < 200000:
+            return f"{support.version_str(v)} (`{v}`)"
+        return f"`{v}`"
+
+    if isinstance(value, frozenset):
+        return ", ".join(one(v) for v in sorted(value))
+    if isinstance(value, tuple):
+        return ", ".join(one(v) for v in value)
+    return one(value)
+
+
+#: The example machines of docs/support.md's feature table.
 MACHINES = (
-    ("A100 sm_80, cuDNN 9.19.0",
-     support.Capabilities(cuda=True, compute_capability=(8, 0), cudnn_version=91900, device_name="A100")),
-    ("H200 sm_90, cuDNN 9.12.0",
-     support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91200, device_name="H200")),
-    ("H200 sm_90, cuDNN 9.19.0",
-     support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, device_name="H200")),
-    ("H200 sm_90, cuDNN 9.26.0",
-     support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=92600, device_name="H200")),
+    support.Capabilities(cuda=True, compute_capability=(8, 0), cudnn_version=91900, device_name="A100"),
+    support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91200, device_name="H200"),
+    support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, device_name="H200"),
+    support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=92600, device_name="H200"),
 )
 
 _GIB = 1 << 30
@@ -117,9 +148,11 @@ def _gates():
         ("backward B = H_q = S_q = 1, S_kv = 128, d = 64", _h200(92600),
          _problem(backward=True, batch=1, h_q=1, h_k=1, h_v=1, s_q=1, s_kv=128, d_qk=64, d_v=64), None),
         ("varlen sinks backward", _h200(91900), _problem("varlen", backward=True, sinks=True), None),
+        ("dropout 0.1", _h200(91200), _problem(dropout_p=0.1), None),
+        ("dropout 0.1 on packed inputs", _h200(91900), _problem("varlen", dropout_p=0.1), None),
         ("deterministic backward B=8, H=32, S=8192, limit 8 GiB", _h200(91900), _problem(**det), 8 * _GIB),
         ("deterministic backward B=8, H=32, S=8192, limit 8 GiB", _h200(92500), _problem(**det), 8 * _GIB),
-        ("backward, head dim 256", MACHINES[0][1], _problem(backward=True, d_qk=256, d_v=256), None),
+        ("backward, head dim 256", MACHINES[0], _problem(backward=True, d_qk=256, d_v=256), None),
         ("float32 inputs", _h200(91900), _problem(dtypes=(torch.float32,) * 3), None),
         ("CPU tensors", support.Capabilities(cuda=False, unavailable="CUDA is not available"),
          _problem(device_type="cpu"), None),
@@ -188,7 +221,6 @@ def telemetry_page() -> str:
     stats = _example_stats()
     as_dict = stats.to_dict()
     report = dict(as_dict, meta=_example_meta())
-    emitters = _emitters()
     lines = [
         _HEADER,
         "# Telemetry",
@@ -233,30 +265,87 @@ def telemetry_page() -> str:
     ]
     lines += _table(("key", "meaning"), [(f"`{k}`", v) for k, v in META_KEYS.items()]
                     + [(f"`{k}`", v + " (CUDA machines only)") for k, v in META_CUDA_KEYS.items()])
-    lines += [
-        "",
-        "## Reason slugs",
-        "",
-        "`csp.explain(q, k, v, **opts)` lists every reason a call would get, without running it; the "
-        "rules are in [support.md](support.md).",
-        "",
-    ]
+    return "\n".join(lines + [""] + _slugs_section()) + "\n"
+
+
+def _slugs_section() -> list[str]:
+    emitters = _emitters()
     rows = []
     for slug, (meaning, todo) in CATALOG.items():
         sources = list(emitters.get(slug, []))
         if slug in OTHER_SOURCES:
             sources.append(OTHER_SOURCES[slug])
         rows.append((f"`{slug}`", meaning, todo, "<br>".join(sources) or "-"))
-    lines += _table(("slug", "meaning", "what to do", "emitted by"), rows)
-    return "\n".join(lines) + "\n"
+    return [
+        "## Reason slugs",
+        "",
+        "`csp.explain(q, k, v, **opts)` lists every reason a call would get, without running it; the "
+        "rules are in [support.md](support.md).",
+        "",
+    ] + _table(("slug", "meaning", "what to do", "emitted by"), rows)
 
 
 # ------------------------------------------------------------------------------------- support
 
 
-def support_page() -> str:
+def _constants_section() -> list[str]:
+    rows = [(f"`{name}`", _constant_value(getattr(support, name)), _CONSTANTS.get(name, comment))
+            for name, comment in _source_constants()]
+    return ["## Version constants", ""] + _table(("constant", "value", "meaning"), rows) + [
+        "",
+        "cuDNN versions are encoded as major * 10000 + minor * 100 + patch (91900 is 9.19.0).",
+    ]
+
+
+def _rules_section() -> list[str]:
+    rows = [(str(i), f"`{r.slug}`", r.summary) for i, r in enumerate(support.RULES, 1)]
+    return ["## Rules", ""] + _table(("#", "reason slug", "requirement"), rows) + [
+        "",
+        "`no_cuda` and `cudnn_unavailable` end the evaluation (nothing else is meaningful without a GPU "
+        "and cuDNN). When every rule passes, a deterministic backward is checked against the workspace "
+        "limit (`deterministic_workspace`).",
+    ]
+
+
+def _gates_section() -> list[str]:
+    rows = []
+    for call, caps, problem, limit in _gates():
+        found = support.reasons(problem, caps, deterministic_limit_bytes=limit)
+        rows.append((call, _machine(caps), _reason_text(found)))
+    return ["## Version gates and known bugs, by example", ""] + _table(("call", "machine", "result"), rows)
+
+
+def _features_section() -> list[str]:
     from . import diagnostics  # FEATURES: the doctor's feature list
 
+    titles = [_machine(caps) for caps in MACHINES]
+    columns = [diagnostics.feature_rows(caps) for caps in MACHINES]
+    rows, notes = [], []
+    for i, (name, _) in enumerate(diagnostics.FEATURES):
+        cells = []
+        for title, column in zip(titles, columns):
+            row = column[i]
+            if row.ok:
+                cells.append("served")
+                continue
+            slug, _, message = row.value[len("no: "):].partition(": ")
+            cells.append(f"no: `{slug}`")
+            notes.append(f"- {name}, {title}: `{slug}`: {message}")
+        rows.append((name, *cells))
+    lines = [
+        "## Features by machine",
+        "",
+        "`diagnostics.FEATURES` (what `cudnn-sdpa doctor` reports) evaluated against example machines. "
+        "The deterministic backward is checked with an 8 GiB workspace limit.",
+        "",
+    ]
+    lines += _table(("feature", *titles), rows)
+    lines += ["", "Why not:", ""] + notes + ["", "The call each feature stands for:", ""]
+    lines += _table(("feature", "problem"), [(name, f"`{p.describe()}`") for name, p in diagnostics.FEATURES])
+    return lines
+
+
+def support_page() -> str:
     lines = [
         _HEADER,
         "# What cuDNN serves",
@@ -266,70 +355,10 @@ def support_page() -> str:
         "gives the counted reason, `csp.explain()` shows them all. `cudnn-sdpa doctor` evaluates the "
         "feature list below on your machine.",
         "",
-        "## Version constants",
-        "",
     ]
-    const_rows = []
-    for name, meaning in _CONSTANTS:
-        value = getattr(support, name)
-        if isinstance(value, frozenset):
-            shown = ", ".join(support.version_str(v) for v in sorted(value))
-        elif name.endswith("_MIN") or name == "MIN_CUDNN":
-            shown = f"{support.version_str(value)} (`{value}`)"
-        else:
-            shown = str(value)
-        const_rows.append((f"`{name}`", shown, meaning))
-    lines += _table(("constant", "value", "meaning"), const_rows)
-    lines += [
-        "",
-        "cuDNN versions are encoded as major * 10000 + minor * 100 + patch (91900 is 9.19.0).",
-        "",
-        "## Rules",
-        "",
-    ]
-    lines += _table(("#", "reason slug", "requirement"),
-                    [(str(i), f"`{r.slug}`", r.summary) for i, r in enumerate(support.RULES, 1)])
-    lines += [
-        "",
-        "`no_cuda` and `cudnn_unavailable` end the evaluation (nothing else is meaningful without a GPU "
-        "and cuDNN). When every rule passes, a deterministic backward is checked against the workspace "
-        "limit (`deterministic_workspace`).",
-        "",
-        "## Version gates and known bugs, by example",
-        "",
-    ]
-    gate_rows = []
-    for call, caps, problem, limit in _gates():
-        found = support.reasons(problem, caps, deterministic_limit_bytes=limit)
-        gate_rows.append((call, _machine(caps), _reason_text(found)))
-    lines += _table(("call", "machine", "result"), gate_rows)
-    lines += [
-        "",
-        "## Features by machine",
-        "",
-        "`diagnostics.FEATURES` (what `cudnn-sdpa doctor` reports) evaluated against example machines. "
-        "The deterministic backward is checked with an 8 GiB workspace limit.",
-        "",
-    ]
-    columns = [[r for r in diagnostics.feature_rows(caps)] for _, caps in MACHINES]
-    rows = []
-    notes = []
-    for i, (name, _problem_) in enumerate(diagnostics.FEATURES):
-        cells = []
-        for (title, _caps), col in zip(MACHINES, columns):
-            row = col[i]
-            if row.ok:
-                cells.append("served")
-            else:
-                slug, _, message = row.value[len("no: "):].partition(": ")
-                cells.append(f"no: `{slug}`")
-                notes.append(f"- {name}, {title}: `{slug}`: {message}")
-        rows.append((name, *cells))
-    lines += _table(("feature", *(title for title, _ in MACHINES)), rows)
-    lines += ["", "Why not:", ""] + notes
-    lines += ["", "The call each feature stands for:", ""]
-    lines += _table(("feature", "problem"), [(name, f"`{p.describe()}`") for name, p in diagnostics.FEATURES])
-    return "\n".join(lines) + "\n"
+    for section in (_constants_section, _rules_section, _gates_section, _features_section):
+        lines += section() + [""]
+    return "\n".join(lines[:-1]) + "\n"
 
 
 # ----------------------------------------------------------------------------------------- main

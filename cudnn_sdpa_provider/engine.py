@@ -126,13 +126,41 @@ def _desc(t: torch.Tensor) -> Desc:
 
 
 def _stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
-def _run(key, buffers: dict) -> str:
+def _run(key, buffers: dict) -> "graphs.Plan":
     p = graphs.plan(key)
     graphs.execute(p, buffers, key.device, _stream(key.device))
-    return p.name
+    return p
+
+
+# ---------------------------------------------------------------------------------- fast path
+#
+# A call whose operands cuDNN can read as they are (no repair, no conversion) is remembered by a
+# cheap signature (shapes, strides, dtypes, options). The next call with that signature skips the
+# capability check, the graph key and the layout decisions: it checks pointer alignment (the only
+# per-call property), allocates the outputs and executes. Bias and dropout calls always take the
+# full path. See docs/performance-notes.md for what this saves.
+
+
+def _sig(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _aligned(*tensors) -> bool:
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+class _Fast:
+    __slots__ = ("plan", "sizes", "strides", "lse_size", "compute_lse")
+
+    def __init__(self, plan, sizes, strides, lse_size=None, compute_lse=True):
+        self.plan, self.sizes, self.strides, self.lse_size, self.compute_lse = plan, sizes, strides, lse_size, compute_lse
+
+
+def _sinks_as_is(sinks) -> bool:
+    return sinks is None or (sinks.dtype == torch.float32 and sinks.dim() == 1 and sinks.stride(0) == 1)
 
 
 def _buffer_for(dst: torch.Tensor) -> torch.Tensor:
@@ -152,10 +180,11 @@ def _rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:
     return (rows[None, :] >= lengths[:, None]).view(lengths.shape[0], 1, s, 1)
 
 
-def new_philox(device: torch.device) -> torch.Tensor:
-    """A fresh (seed, offset) pair for dropout, drawn from torch's generator on ``device`` (so
-    ``torch.manual_seed`` reproduces it; device-side, no sync, capturable in CUDA graphs)."""
-    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+def new_philox(device: torch.device, n: int = 2) -> torch.Tensor:
+    """Random int64 words for dropout's Philox (seed, offset), drawn from torch's generator on
+    ``device`` (``torch.manual_seed`` reproduces them; device-side, no sync, capturable in CUDA
+    graphs). Callers take the pair they need (the provider uses elements 0 and 2, see overrides)."""
+    return torch.randint(0, 2**62, (n,), dtype=torch.int64, device=device)
 
 
 def bias_operand(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -205,6 +234,13 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
     backward reuses. ``rng_dump`` (tests only): a (B, H_q, S_q, S_kv) fp32 buffer that receives
     the realised keep mask. ``checked=True``: the caller already ran ``check`` on this call."""
     padded = seq_len_q is not None
+    signature = None
+    if bias is None and dropout_p == 0.0 and rng_dump is None:
+        signature = ("dense_fwd", q.device.index, _sig(q), _sig(k), _sig(v), _sig(sinks), _sig(seq_len_q),
+                     _sig(seq_len_kv), float(scale), tuple(window), bool(bottom_right), bool(compute_lse))
+        hit = graphs.fast_get(signature)
+        if hit is not None and _aligned(q, k, v, sinks):
+            return _dense_fwd_fast(hit, q, k, v, sinks, seq_len_q, seq_len_kv)
     if not checked:
         check(dense_problem(q, k, v, window=window, bottom_right=bottom_right, sinks=sinks is not None, bias=bias,
                             dropout_p=dropout_p, padded=padded), q.device)
@@ -249,11 +285,32 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
         dropout_p=float(dropout_p),
         rng_dump=rng_dump is not None and dropout_p > 0.0,
     )
-    _run(key, buffers)
+    plan = _run(key, buffers)
     if out_buf is not out:
         out.copy_(out_buf)
     if padded:
         out.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), s_q), 0)
+    if signature is not None and (qr, kr, vr, out_buf) == (q, k, v, out) and _sinks_as_is(sinks):
+        graphs.fast_put(signature, _Fast(plan, (tuple(out.shape),), (out.stride(),), tuple(lse.shape), compute_lse))
+    return out, lse
+
+
+def _dense_fwd_fast(hit: _Fast, q, k, v, sinks, seq_len_q, seq_len_kv):
+    device = q.device
+    out = torch.empty_strided(hit.sizes[0], hit.strides[0], dtype=q.dtype, device=device)
+    lse = torch.empty(hit.lse_size, dtype=torch.float32, device=device)
+    buffers = {UID.Q: q, UID.K: k, UID.V: v, UID.O: out}
+    if hit.compute_lse:
+        buffers[UID.LSE] = lse
+    b, h = q.shape[0], q.shape[1]
+    if seq_len_q is not None:
+        buffers[UID.SEQ_Q] = seq_len_q.view(b, 1, 1, 1)
+        buffers[UID.SEQ_KV] = seq_len_kv.view(b, 1, 1, 1)
+    if sinks is not None:
+        buffers[UID.SINK] = sinks.view(1, h, 1, 1)
+    graphs.execute(hit.plan, buffers, device.index, _stream(device.index))
+    if seq_len_q is not None:
+        out.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), q.shape[2]), 0)
     return out, lse
 
 
@@ -261,6 +318,14 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
               bias=None, seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, deterministic=False):
     """cuDNN backward. Returns (dq, dk, dv, dsinks or None)."""
     padded = seq_len_q is not None
+    signature = None
+    if bias is None and dropout_p == 0.0:
+        signature = ("dense_bwd", q.device.index, _sig(grad_out), _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse),
+                     _sig(sinks), _sig(seq_len_q), _sig(seq_len_kv), float(scale), tuple(window), bool(bottom_right),
+                     bool(deterministic))
+        hit = graphs.fast_get(signature)
+        if hit is not None and _aligned(grad_out, q, k, v, out, lse, sinks):
+            return _dense_bwd_fast(hit, grad_out, q, k, v, out, lse, sinks, seq_len_q, seq_len_kv)
     check(dense_problem(q, k, v, backward=True, window=window, bottom_right=bottom_right, sinks=sinks is not None,
                         bias=bias, dropout_p=dropout_p, padded=padded, deterministic=deterministic), q.device)
     b, h, s_q, _ = q.shape
@@ -270,6 +335,7 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
     do = grad_out
     if not layout.usable(do):  # match dO to the (repaired) O: same dims, same order
         do = torch.empty_like(outr).copy_(grad_out)
+    lse_in = lse
     lse = lse if lse.is_contiguous() else lse.contiguous()  # cuDNN < 9.26 misreads non-packed stats
     dq, dk, dv = layout.grad_like(q), layout.grad_like(k), layout.grad_like(v)
     dq_buf, dk_buf, dv_buf = _buffer_for(dq), _buffer_for(dk), _buffer_for(dv)
@@ -313,15 +379,46 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
         dropout_p=float(dropout_p),
         deterministic=bool(deterministic),
     )
-    _run(key, buffers)
+    plan = _run(key, buffers)
     for dst, buf in ((dq, dq_buf), (dk, dk_buf), (dv, dv_buf)):
         if buf is not dst:
             dst.copy_(buf)
     if padded:
-        dq.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), s_q), 0)
-        past_kv = _rows_past(seq_len_kv, s_kv)
-        dk.masked_fill_(past_kv, 0)
-        dv.masked_fill_(past_kv, 0)
+        _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv)
+    reusable = (qr, kr, vr, outr, do, dq_buf, dk_buf, dv_buf) == (q, k, v, out, grad_out, dq, dk, dv)
+    needs_workspace_check = support.deterministic_workspace_bytes(
+        dense_problem(q, k, v, backward=True, deterministic=deterministic), support.capabilities(device)) > 0
+    if signature is not None and reusable and lse is lse_in and _sinks_as_is(sinks) and not needs_workspace_check:
+        sizes = tuple(tuple(t.shape) for t in (dq, dk, dv))
+        graphs.fast_put(signature, _Fast(plan, sizes, (dq.stride(), dk.stride(), dv.stride())))
+    return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)
+
+
+def _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv) -> None:
+    dq.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), dq.shape[2]), 0)
+    past_kv = _rows_past(seq_len_kv, dk.shape[2])
+    dk.masked_fill_(past_kv, 0)
+    dv.masked_fill_(past_kv, 0)
+
+
+def _dense_bwd_fast(hit: _Fast, grad_out, q, k, v, out, lse, sinks, seq_len_q, seq_len_kv):
+    device = q.device
+    dq, dk, dv = (torch.empty_strided(size, stride, dtype=q.dtype, device=device)
+                  for size, stride in zip(hit.sizes, hit.strides))
+    buffers = {UID.Q: q, UID.K: k, UID.V: v, UID.O: out, UID.DO: grad_out, UID.LSE: lse,
+               UID.DQ: dq, UID.DK: dk, UID.DV: dv}
+    b, h = q.shape[0], q.shape[1]
+    if seq_len_q is not None:
+        buffers[UID.SEQ_Q] = seq_len_q.view(b, 1, 1, 1)
+        buffers[UID.SEQ_KV] = seq_len_kv.view(b, 1, 1, 1)
+    dsinks = None
+    if sinks is not None:
+        buffers[UID.SINK] = sinks.view(1, h, 1, 1)
+        dsinks = torch.zeros((1, h, 1, 1), dtype=torch.float32, device=device)
+        buffers[UID.DSINK] = dsinks
+    graphs.execute(hit.plan, buffers, device.index, _stream(device.index))
+    if seq_len_q is not None:
+        _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv)
     return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)
 
 

@@ -161,7 +161,8 @@ _builds = {"built": 0, "rejected": 0}
 def _state():
     state = getattr(_tls, "state", None)
     if state is None:
-        state = _tls.state = {"handles": {}, "plans": OrderedDict(), "capacity": env.cache_size()}
+        state = _tls.state = {"handles": {}, "plans": OrderedDict(), "fast": OrderedDict(),
+                              "capacity": env.cache_size()}
     return state
 
 
@@ -184,8 +185,10 @@ def cache_info() -> dict:
 
 
 def clear_cache() -> None:
-    """Drop this thread's built graphs (handles are kept)."""
-    _state()["plans"].clear()
+    """Drop this thread's built graphs and fast-path entries (handles are kept)."""
+    state = _state()
+    state["plans"].clear()
+    state["fast"].clear()
 
 
 def set_capacity(n: int) -> None:
@@ -194,8 +197,24 @@ def set_capacity(n: int) -> None:
         raise ValueError(f"cache capacity must be a positive int, got {n!r}")
     state = _state()
     state["capacity"] = n
-    while len(state["plans"]) > n:
-        state["plans"].popitem(last=False)
+    for cache in (state["plans"], state["fast"]):
+        while len(cache) > n:
+            cache.popitem(last=False)
+
+
+def fast_get(signature: tuple):
+    """The fast-path entry for a call signature (a tuple of shapes, strides, dtypes and options
+    that is cheap to build), or None. Entries hold their built graph; the cache is bounded like
+    the graph cache, so an evicted graph is never kept alive by it for long."""
+    return _state()["fast"].get(signature)
+
+
+def fast_put(signature: tuple, entry) -> None:
+    state = _state()
+    fast = state["fast"]
+    fast[signature] = entry
+    while len(fast) > state["capacity"]:
+        fast.popitem(last=False)
 
 
 def plan(key) -> Plan:

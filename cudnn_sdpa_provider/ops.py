@@ -33,6 +33,11 @@ def _fail_or_fallback(path: str, exc: NotSupportedError, fallback: bool) -> None
 # --------------------------------------------------------------------------------------- dense
 
 
+def _compute_dtype(q) -> torch.dtype:
+    """The composite computes in fp32, or fp64 for fp64 inputs (so gradcheck can run on it)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _pair(philox):
     return None if philox is None else (philox[0], philox[1])
 
@@ -57,7 +62,8 @@ def _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, win
     else:
         ref_out, ref_lse = reference.dense(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks,
                                            bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, dropout_p=dropout_p,
-                                           dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k))
+                                           dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k),
+                                           compute_dtype=_compute_dtype(q))
     out = layout.dense_out(q, tuple(q.shape[:3]) + (v.shape[3],))
     out.copy_(ref_out)
     lse = torch.empty(tuple(q.shape[:3]) + (1,), dtype=torch.float32, device=q.device)
@@ -69,7 +75,8 @@ def _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, 
                          philox=None, dropout_p=0.0):
     grads = reference.dense_backward(grad_out, q, k, v, scale=scale, window=window, bottom_right=bottom_right,
                                      sinks=sinks, bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                                     dropout_p=dropout_p, dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k))
+                                     dropout_p=dropout_p, dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k),
+                                     compute_dtype=_compute_dtype(q))
     dq, dk, dv = layout.grad_like(q), layout.grad_like(k), layout.grad_like(v)
     for dst, g in zip((dq, dk, dv), grads[:3]):
         dst.copy_(g)
@@ -207,7 +214,7 @@ dense_fwd.register_autograd(_dense_backward, setup_context=_dense_setup_context)
 
 def _varlen_composite_fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, window, bottom_right):
     ref_out, ref_lse = reference.varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, window=window,
-                                        bottom_right=bottom_right, sinks=sinks)
+                                        bottom_right=bottom_right, sinks=sinks, compute_dtype=_compute_dtype(q))
     out = layout.packed((q.shape[0], q.shape[1], v.shape[2]), q)
     out.copy_(ref_out)
     lse = layout.packed((q.shape[0], q.shape[1]), q, dtype=torch.float32)
@@ -217,7 +224,7 @@ def _varlen_composite_fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, win
 
 def _varlen_composite_bwd(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, window, bottom_right):
     grads = reference.varlen_backward(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, window=window,
-                                      bottom_right=bottom_right, sinks=sinks)
+                                      bottom_right=bottom_right, sinks=sinks, compute_dtype=_compute_dtype(q))
     outs = []
     for src, g in zip((q, k, v), grads[:3]):
         dst = layout.packed(tuple(src.shape), src)

@@ -69,6 +69,10 @@ def _bind(op, args, kwargs) -> dict:
 def _route_reason(q, k, v, *, backward: bool, is_causal=False, bias=None, dropout_p=0.0) -> tuple[str, str]:
     """Why a call that PyTorch sent to a non-cuDNN kernel is not ours: our first reason, or
     ``torch_selection`` when we could have served it but PyTorch's own checks chose otherwise."""
+    if q.device.type != "cuda":
+        return "no_cuda", f"inputs are on {q.device.type!r}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "rank", f"inputs of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} are not 4-D"
     problem = engine.dense_problem(q, k, v, backward=backward, window=(-1, 0) if is_causal else (-1, -1),
                                    bias=bias, dropout_p=dropout_p)
     caps = support.capabilities(q.device.index if q.device.type == "cuda" else None)
@@ -102,10 +106,12 @@ class _Dense:
             # so PyTorch's kernel then draws exactly what it would have drawn natively.
             engine.check(engine.dense_problem(query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p),
                          query.device)
-            philox = engine.new_philox(query.device) if dropout_p > 0.0 else None
+            # seed and offset are elements 0 and 2 of one storage: each is 16-byte aligned (inductor
+            # asserts that of every output) and the shared storage is the backward's marker.
+            philox = engine.new_philox(query.device, 4) if dropout_p > 0.0 else None
             out, lse = engine.dense_fwd(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
                                         dropout_p=dropout_p, compute_lse=compute_log_sumexp,
-                                        philox=(philox[0], philox[1]) if philox is not None else None, checked=True)
+                                        philox=(philox[0], philox[2]) if philox is not None else None, checked=True)
         except NotSupportedError as exc:
             inputs = lambda: describe_call(query=query, key=key, value=value, attn_bias=attn_bias,  # noqa: E731
                                            dropout_p=dropout_p, is_causal=is_causal, scale=scale)
@@ -117,9 +123,9 @@ class _Dense:
             return result
         counters.record("dense_fwd")
         if philox is None:  # the pair is the backward's marker; its values matter only with dropout
-            philox = torch.empty(2, dtype=torch.int64, device=query.device)
+            philox = torch.empty(4, dtype=torch.int64, device=query.device)
         markers.mark(philox, markers.Record("dense", served=True))
-        return out, lse, None, None, query.shape[2], key.shape[2], philox[0], philox[1], None
+        return out, lse, None, None, query.shape[2], key.shape[2], philox[0], philox[2], None
 
     def backward(self, keyset, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
                  cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
@@ -154,7 +160,13 @@ class _Dense:
 
 
 class _Counted:
-    """Counts calls PyTorch routed to another backend, then runs the original kernel."""
+    """Counts calls PyTorch routed to another backend, then runs the original kernel.
+
+    Forward kernels mark their LSE output (``markers``) with the reason; backward kernels count
+    only when the LSE they receive carries such a mark, so a backward is counted exactly when its
+    forward was, whenever and on whatever thread it runs."""
+
+    marks_lse = True
 
     def __init__(self, op, original, path: str, backward: bool, bias_arg: str | None):
         self.op = op
@@ -163,27 +175,38 @@ class _Counted:
         self.backward = backward
         self.bias_arg = bias_arg
 
+    def _reason(self, a) -> tuple[str, str]:
+        return _route_reason(a["query"], a["key"], a["value"], backward=self.backward,
+                             is_causal=bool(a.get("is_causal", False)),
+                             bias=a.get(self.bias_arg) if self.bias_arg else None,
+                             dropout_p=float(a.get("dropout_p", 0.0) or 0.0))
+
     def __call__(self, keyset, *args, **kwargs):
         a = _bind(self.op, args, kwargs)
-        q, k, v = a["query"], a["key"], a["value"]
-        reason, detail = _route_reason(q, k, v, backward=self.backward, is_causal=bool(a.get("is_causal", False)),
-                                       bias=a.get(self.bias_arg) if self.bias_arg else None,
-                                       dropout_p=float(a.get("dropout_p", 0.0) or 0.0))
+        if self.backward:
+            record = markers.lookup(a.get("logsumexp"))
+            if record is not None:
+                counters.record(self.path, record.reason)
+            return self.original.call_boxed(keyset, *args, **kwargs)
+        reason, detail = self._reason(a)
         _fallback(self.path, reason, f"{self.op._schema.name.split('::')[1]}: {detail}",
-                  lambda: describe_call(query=q, key=k, value=v, dropout_p=a.get("dropout_p"),
-                                        is_causal=a.get("is_causal")))
-        return self.original.call_boxed(keyset, *args, **kwargs)
+                  lambda: describe_call(query=a["query"], key=a["key"], value=a["value"],
+                                        dropout_p=a.get("dropout_p"), is_causal=a.get("is_causal")))
+        result = self.original.call_boxed(keyset, *args, **kwargs)
+        lse = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
+        if self.marks_lse and isinstance(lse, torch.Tensor) and lse.numel() > 0:
+            markers.mark(lse, markers.Record("dense", served=False, reason=reason))
+        return result
 
 
 class _CountedMath(_Counted):
     """The math composite runs under autograd; its backward is many ops, counted by a hook on
     the output's gradient (a fresh tensor per call, so hooks never pile up)."""
 
+    marks_lse = False  # its second output is the attention weights, which no backward kernel reads
+
     def __call__(self, keyset, *args, **kwargs):
-        a = _bind(self.op, args, kwargs)
-        q = a["query"]
-        reason, _ = _route_reason(q, a["key"], a["value"], backward=False, is_causal=bool(a.get("is_causal", False)),
-                                  bias=a.get("attn_mask"), dropout_p=float(a.get("dropout_p", 0.0) or 0.0))
+        reason, _ = self._reason(_bind(self.op, args, kwargs))
         result = super().__call__(keyset, *args, **kwargs)
         out = result[0]
         if out.requires_grad:
@@ -211,7 +234,7 @@ class _Varlen:
 
     def _serve_fwd(self, a):
         if a.get("seqused_k") is not None or a.get("block_table") is not None:
-            raise NotSupportedError("graph_not_supported", "seqused_k/block_table (paged KV) are not served")
+            raise NotSupportedError("paged_kv", "seqused_k/block_table (paged KV) are not served")
         q, k, v = a["query"], a["key"], a["value"]
         cu_q = a["cu_seq_q"]
         cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
@@ -367,7 +390,8 @@ class Hooks:
         if self._dense is not None:
             self._impl(libs, _op("aten", "_scaled_dot_product_cudnn_attention"), self._dense.forward, "CUDA")
         for op, key, kernel in self._counted:
-            self._impl(libs, op, kernel, key)
+            if not kernel.backward:
+                self._impl(libs, op, kernel, key)
         if self._varlen_kernels is not None:
             v = self._varlen
             self._impl(libs, v["_varlen_attn"], self._varlen_kernels.forward, "CUDA")
@@ -381,6 +405,9 @@ class Hooks:
         libs: dict = {}
         if self._dense is not None:
             self._impl(libs, _op("aten", "_scaled_dot_product_cudnn_attention_backward"), self._dense.backward, "CUDA")
+        for op, key, kernel in self._counted:
+            if kernel.backward:
+                self._impl(libs, op, kernel, key)
         if self._varlen_kernels is not None:
             self._impl(libs, self._varlen["_varlen_attn_backward"], self._varlen_kernels.backward, "CUDA")
         self._bwd = libs

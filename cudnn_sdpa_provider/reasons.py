@@ -98,8 +98,12 @@ CATALOG: dict[str, tuple[str, str]] = {
         "PyTorch's SDPA selector sent the call to a backend other than cuDNN.",
         "Check the inputs with `cudnn_sdpa_provider.explain(q, k, v, ...)`; PyTorch's own cuDNN checks rejected them.",
     ),
-    "nested": (
-        "Nested (jagged) tensors are not routed by the provider.",
-        "Use torch.nn.attention.varlen.varlen_attn or cudnn_sdpa_provider.attention with cu_seqlens.",
+    "rank": (
+        "F.scaled_dot_product_attention got inputs that are not 4-D (B, H, S, D); PyTorch runs them on its math kernel.",
+        "Pass (B, H, S, D) tensors (add a batch dim), or use cudnn_sdpa_provider.attention.",
+    ),
+    "paged_kv": (
+        "A varlen_attn call with seqused_k / block_table (a paged KV cache) is not served.",
+        "Nothing to do; it runs on PyTorch's flash kernel.",
     ),
 }

@@ -67,3 +67,22 @@ def test_check_names_stale_pages(tmp_path, capsys):
     assert docgen.main(["--check", "--docs-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "support.md is stale" in err and "telemetry.md" not in err
+
+
+def test_support_page_lists_every_support_constant():
+    page = docgen.support_page()
+    names = [name for name, _ in docgen._source_constants()]
+    assert {"MIN_CUDNN", "BLOCKED_CUDNN", "SINK_MIN", "SINK_RAGGED_BWD_MIN", "DETERMINISTIC_SMALL_WS_MIN"} <= set(names)
+    for name in names:
+        assert f"| `{name}` |" in page
+
+
+def test_relative_links_in_docs_resolve():
+    import re
+
+    missing = []
+    for page in sorted((REPO / "docs").glob("*.md")):
+        for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                missing.append(f"{page.name}: {target}")
+    assert not missing, missing

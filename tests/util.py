@@ -13,6 +13,8 @@ GRAD_FACTOR = 2.0
 def rel_error(actual: torch.Tensor, ref: torch.Tensor) -> tuple[float, tuple]:
     """max|actual - ref| / max|ref|, and where it is worst. NaN must appear in both or neither."""
     a, r = actual.double(), ref.double()
+    if r.numel() == 0:
+        return 0.0, ()
     nan_a, nan_r = torch.isnan(a), torch.isnan(r)
     if not torch.equal(nan_a, nan_r):
         worst = tuple(torch.nonzero(nan_a ^ nan_r)[0].tolist())

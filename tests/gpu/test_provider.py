@@ -97,7 +97,7 @@ def test_fallback_fp32_counted_and_bit_exact_with_native():
         assert torch.equal(t.grad, g)
 
 
-def test_unsupported_head_dim_falls_back_with_reason_and_is_bit_exact():
+def test_head_dim_pytorch_refuses_falls_back_with_reason_and_is_bit_exact():
     torch.manual_seed(3)
     q, k, v = make_dense(2, 4, 4, 4, 128, 128, 60, 60, torch.bfloat16, DEV)  # 60 is not a multiple of 8
     go = torch.randn(2, 4, 128, 60, device=DEV, dtype=torch.bfloat16)
@@ -109,8 +109,10 @@ def test_unsupported_head_dim_falls_back_with_reason_and_is_bit_exact():
     with csp.enable():
         out, delta = _delta(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         _, delta_b = _delta(lambda: out.backward(go))
-    assert delta.fallback["dense_fwd"] == {"head_dim": 1}, delta.to_dict()
-    assert delta_b.fallback["dense_bwd"] == {"head_dim": 1}, delta_b.to_dict()
+    # PyTorch's own cuDNN check refuses D=60 and pads it to 64 for flash, so the kernel we see has
+    # a head dim we could serve: the honest reason is PyTorch's selection.
+    assert delta.fallback["dense_fwd"] == {"torch_selection": 1}, delta.to_dict()
+    assert delta_b.fallback["dense_bwd"] == {"torch_selection": 1}, delta_b.to_dict()
     assert torch.equal(out, native)
     for t, g in zip((q, k, v), native_grads):
         assert torch.equal(t.grad, g)
@@ -186,6 +188,9 @@ def test_varlen_attn_served_and_close_to_flash():
 def test_compiled_training_step_served_without_recompiles():
     torch.manual_seed(5)
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    dynamo_counters.clear()
     model = TinyGQA().to(DEV)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -203,8 +208,6 @@ def test_compiled_training_step_served_without_recompiles():
             opt.step()
             opt.zero_grad(set_to_none=True)
             counts.append(delta.to_dict())
-    from torch._dynamo.utils import counters as dynamo_counters
-
     frames = dynamo_counters["stats"]["unique_graphs"]
     assert frames <= 1, f"recompiled: {dict(dynamo_counters['stats'])}"
     n = len(model.blocks)

@@ -1,0 +1,334 @@
+"""CPU tier: the bench matrix, flop formulas, rows, table, JSON, plot errors and the `bench` CLI.
+
+Nothing here times anything or touches CUDA (``bench.run`` is only exercised in tests/gpu)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from cudnn_sdpa_provider import bench, cli
+from cudnn_sdpa_provider.bench import Case, Measurement, Row
+
+FACTS_DENSE = {(4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128)}
+
+
+def by_name(name: str) -> Case:
+    return bench.select([name])[0]
+
+
+# ----------------------------------------------------------------------------------- the matrix
+
+
+def test_matrix_names_unique_and_well_formed():
+    names = [c.name for c in bench.MATRIX]
+    assert len(names) == len(set(names))
+    for c in bench.MATRIX:
+        assert c.kind in ("dense", "varlen")
+        assert c.h_q % c.h_kv == 0
+        assert c.paths == (bench.DENSE_PATHS if c.kind == "dense" else bench.VARLEN_PATHS)
+        assert bench.BASELINE[c.kind] in c.paths and "provider" in c.paths
+        assert c.describe()
+    assert set(bench.QUICK_CASES) <= set(names)
+
+
+def test_matrix_has_the_documented_cases():
+    dense = {(c.batch, c.h_q, c.seq, c.head_dim, c.causal) for c in bench.MATRIX if c.kind == "dense" and not c.gqa}
+    for b, h, s, d in FACTS_DENSE:
+        assert (b, h, s, d, False) in dense and (b, h, s, d, True) in dense
+    gqa = [c for c in bench.MATRIX if c.gqa]
+    assert [(c.batch, c.h_q, c.h_kv, c.seq, c.head_dim, c.causal) for c in gqa] == [(1, 32, 8, 16384, 128, True)]
+    host = [c for c in bench.MATRIX if c.host]
+    assert [(c.batch, c.h_q, c.seq, c.head_dim, c.causal) for c in host] == [(1, 2, 128, 64, True)]
+    (varlen,) = [c for c in bench.MATRIX if c.kind == "varlen"]
+    assert len(varlen.seq_lens) == 16 == varlen.batch
+    assert all(128 <= n <= 4096 for n in varlen.seq_lens)
+    assert varlen.seq == max(varlen.seq_lens) and varlen.causal and (varlen.h_q, varlen.head_dim) == (16, 128)
+    assert varlen.seq_lens == bench._varlen_lengths()  # a fixed seed: the same mix every run
+
+
+def test_select_and_validation_errors_name_the_choices():
+    assert bench.select() == list(bench.MATRIX)
+    assert [c.name for c in bench.quick_matrix()] == list(bench.QUICK_CASES)
+    custom = Case("mine", "dense", 1, 1, 1, 8, 8, False)
+    assert bench.select([custom, "tiny_b1_h2_s128_d64_causal"])[0] is custom
+    with pytest.raises(ValueError, match="Available cases: .*tiny_b1_h2_s128_d64_causal"):
+        bench.select(["nope"])
+    with pytest.raises(ValueError, match="Available modes"):
+        bench.check_modes(["fwd", "bwd"])
+    assert bench.check_modes(["fwd_bwd", "fwd", "fwd_bwd"]) == ("fwd_bwd", "fwd")
+    with pytest.raises(ValueError, match="repeats must be an int >= 1, got 0"):
+        bench.check_settings(0, 1, 1)
+    with pytest.raises(ValueError, match="warmup"):
+        bench.check_settings(1, -1, 1)
+
+
+# ------------------------------------------------------------------------------------ flops
+
+
+def test_dense_flops_by_hand():
+    c = by_name("b4_h16_s4096_d128")
+    fwd = 4 * 4 * 16 * 4096 * 4096 * 128  # 4*B*H*S*S*D = 2**39
+    assert fwd == 549_755_813_888
+    assert bench.fwd_flops(c) == fwd
+    assert bench.fwd_flops(by_name("b4_h16_s4096_d128_causal")) == fwd / 2
+    assert bench.flops(c, "fwd") == fwd
+    assert bench.flops(c, "fwd_bwd") == 3.5 * fwd
+
+
+def test_gqa_flops_count_query_heads():
+    c = by_name("gqa_b1_h32kv8_s16384_d128_causal")
+    assert bench.fwd_flops(c) == 4 * 1 * 32 * 16384 * 16384 * 128 / 2
+
+
+def test_varlen_flops_sum_over_sequences():
+    c = Case("v", "varlen", 3, 2, 2, 300, 8, True, seq_lens=(100, 300, 200))
+    per_seq = [4 * 2 * n * n * 8 / 2 for n in (100, 300, 200)]  # 320,000 + 2,880,000 + 1,280,000
+    assert sum(per_seq) == 4_480_000
+    assert bench.fwd_flops(c) == 4_480_000
+    assert bench.flops(c, "fwd_bwd") == 3.5 * 4_480_000
+    full = Case("v", "varlen", 3, 2, 2, 300, 8, False, seq_lens=(100, 300, 200))
+    assert bench.fwd_flops(full) == 8_960_000
+
+
+# ---------------------------------------------------------------------------- rows (pure data)
+
+
+def _measured(path, times, **kw) -> Measurement:
+    return Measurement(path, times_ms=list(times), **kw)
+
+
+def test_summarize_median_spread_and_tflops():
+    c = by_name("b4_h16_s4096_d128")
+    row = bench.summarize(c, "fwd", _measured("native_cudnn", [9.0, 7.0, 8.0, 6.0, 10.0], calls=9, peak_mib=64.0),
+                          inputs_mib=384.0, input_sets=1)
+    assert row.status == "ok" and row.reason == ""
+    assert row.median_ms == 8.0
+    assert row.p20_ms == pytest.approx(6.8) and row.p80_ms == pytest.approx(9.2)  # linear interpolation
+    assert row.tflops == pytest.approx(549_755_813_888 / 8e-3 / 1e12)  # 68.7
+    assert (row.repeats, row.calls, row.peak_mib, row.served) == (5, 9, 64.0, None)
+
+
+def test_summarize_provider_rows_never_claim_fallback_calls():
+    c = by_name("tiny_b1_h2_s128_d64_causal")
+    ok = bench.summarize(c, "fwd_bwd", _measured("provider", [1.0], calls=10, served=20), 0.1, 8)
+    assert (ok.status, ok.served, ok.fallbacks) == ("ok", 20, 0)
+    fell = bench.summarize(c, "fwd_bwd", _measured("provider", [1.0], calls=10, served=17,
+                                                   fallback={"graph_not_supported": 3}), 0.1, 8)
+    assert fell.status == "fallback" and "3 of 20" in fell.reason and "graph_not_supported=3" in fell.reason
+    missing = bench.summarize(c, "fwd", _measured("provider", [1.0], calls=10, served=4), 0.1, 8)
+    assert missing.status == "unserved" and "4 of 10" in missing.reason
+
+
+def test_summarize_skipped_and_error_rows_have_no_numbers():
+    c = by_name("gqa_b1_h32kv8_s16384_d128_causal")
+    skipped = bench.summarize(c, "fwd", Measurement("efficient", skip="RuntimeError: No available kernel"), 1.0, 1)
+    assert skipped.status == "skipped" and skipped.median_ms is None and skipped.tflops is None
+    err = bench.summarize(c, "fwd", Measurement("provider", skip="ValueError: x", error=True), 1.0, 1)
+    assert err.status == "error" and err.reason == "ValueError: x"
+
+
+def _row(case="b4_h16_s4096_d128", mode="fwd", path="native_cudnn", ms=2.0, **kw) -> Row:
+    c = by_name(case)
+    return Row(case, c.kind, mode, path, c.seq, c.causal, median_ms=ms, p20_ms=ms * 0.9 if ms else None,
+               p80_ms=ms * 1.1 if ms else None, tflops=bench.flops(c, mode) / (ms * 1e-3) / 1e12 if ms else None,
+               **kw)
+
+
+def test_add_ratios_against_the_native_baseline():
+    rows = [
+        _row(path="provider", ms=1.0, served=20, fallbacks=0, calls=20),
+        _row(path="native_cudnn", ms=2.0),
+        _row(path="flash", ms=4.0),
+        _row(path="efficient", ms=None, status="skipped", reason="no"),
+        _row(case="tiny_b1_h2_s128_d64_causal", path="provider", ms=0.1, host_us=50.0),
+        _row(case="tiny_b1_h2_s128_d64_causal", path="native_cudnn", ms=0.1, host_us=25.0),
+        _row(case="varlen_n16_h16_d128_causal", path="provider", ms=3.0),
+        _row(case="varlen_n16_h16_d128_causal", path="native_varlen", ms=6.0),
+    ]
+    bench.add_ratios(rows)
+    assert [r.vs_native for r in rows] == [2.0, 1.0, 0.5, None, 1.0, 1.0, 2.0, 1.0]
+    assert rows[4].host_vs_native == 0.5 and rows[5].host_vs_native == 1.0 and rows[0].host_vs_native is None
+
+
+def test_format_table_shows_numbers_reasons_and_groups_cases():
+    rows = bench.add_ratios([
+        _row(path="provider", ms=1.0, served=40, fallbacks=0, calls=40),
+        _row(path="native_cudnn", ms=2.0),
+        _row(path="efficient", ms=None, status="skipped", reason="RuntimeError: No available kernel"),
+        _row(case="tiny_b1_h2_s128_d64_causal", path="provider", ms=0.1, host_us=80.0, calls=10, served=7,
+             fallbacks=3, status="fallback", reason="3 of 10 provider calls fell back (dtype=3)"),
+    ])
+    text = bench.format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["case", "mode", "path"] and "TFLOP/s" in lines[0] and "host us" in lines[0]
+    assert "" in lines  # a blank line between cases
+    provider = next(line for line in lines if "provider" in line and "b4_h16" in line)
+    assert "1.000" in provider and "2.00x" in provider and "40/40" in provider and "549.8" in provider
+    assert "SKIPPED: RuntimeError: No available kernel" in text
+    assert "FALLBACK: 3 of 10" in text and "7/10" in text and "80.0" in text
+
+
+def test_to_json_round_trip_with_meta():
+    rows = [_row(path="provider", ms=1.0, served=4, fallbacks=0, calls=4, fallback_reasons={}),
+            _row(path="efficient", ms=None, status="skipped", reason="no")]
+    meta = {"gpu": "NVIDIA H200", "torch": "2.11.0", "settings": {"repeats": 30}}
+    data = json.loads(bench.to_json(rows, meta))
+    assert data["meta"] == meta
+    assert data["rows"] == [r.as_dict() for r in rows]
+    assert data["rows"][1]["median_ms"] is None and data["rows"][0]["path"] == "provider"
+
+
+def test_collect_meta_on_cpu():
+    meta = bench.collect_meta(["cudnn-sdpa", "bench", "--quick"], repeats=5)
+    assert meta["command"] == "cudnn-sdpa bench --quick"
+    assert meta["settings"] == {"repeats": 5} and meta["torch"] == torch.__version__
+    assert set(meta["cases"]) == {c.name for c in bench.MATRIX}
+    assert meta["cases"]["varlen_n16_h16_d128_causal"]["seq_lens"] == bench._varlen_lengths()
+    json.dumps(meta)
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"pip install cudnn-sdpa-provider\[plot\]"):
+        bench.plot([_row()], str(tmp_path / "x.png"))
+
+
+def test_plot_writes_a_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = bench.add_ratios([_row(path="provider", ms=1.0), _row(path="native_cudnn", ms=2.0),
+                             _row(mode="fwd_bwd", ms=5.0), _row(case="b2_h16_s8192_d128_causal", ms=3.0)])
+    out = tmp_path / "bench.png"
+    bench.plot(rows, str(out))
+    assert out.stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_bench_on_cpu_exits_no_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU host
+    assert cli.main(["bench", "--quick"]) == cli.EXIT_NO_CUDA == 4
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "cudnn-sdpa bench: CUDA is not available" in captured.err
+
+
+def test_run_refuses_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(bench.BenchError, match="CUDA is not available"):
+        bench.run(["tiny_b1_h2_s128_d64_causal"])
+
+
+def test_bench_help_lists_the_options(capsys):
+    assert cli.main(["bench", "--help"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    for option in ("--quick", "--shapes", "--modes", "--repeats", "--warmup", "--json", "--plot", "--list"):
+        assert option in out
+    assert f"Exit status {cli.EXIT_NO_CUDA} when CUDA is not available" in " ".join(out.split())
+
+
+def test_bench_help_defaults_match_the_presets(capsys):
+    cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    d, q = bench.DEFAULT, bench.QUICK
+    assert f"(default {d.repeats})" in out and f"(default {d.warmup})" in out
+    assert f"{len(bench.QUICK_CASES)} cases, {q.repeats} repeats, {q.warmup} warm-up calls, {q.host_calls} " in out
+
+
+def test_bench_bad_options_are_usage_errors(capsys):
+    assert cli.main(["bench", "--shapes", "b4_h16_s4096_d128,nope"]) == cli.EXIT_USAGE
+    assert "unknown bench case 'nope'" in capsys.readouterr().err
+    assert cli.main(["bench", "--modes", "fwd,backward"]) == cli.EXIT_USAGE
+    assert "Available modes" in capsys.readouterr().err
+    assert cli.main(["bench", "--repeats", "0"]) == cli.EXIT_USAGE
+    assert "repeats must be an int >= 1" in capsys.readouterr().err
+
+
+def test_bench_without_matplotlib_says_so_at_once(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--plot", "x.png"]) == cli.EXIT_NO_CUDA
+    err = capsys.readouterr().err
+    assert "--plot x.png will not be written" in err and "pip install cudnn-sdpa-provider[plot]" in err
+
+
+def _fake_run(monkeypatch, rows):
+    """``bench`` end to end on CPU: CUDA claimed, ``bench.run`` replaced by canned rows."""
+    calls = []
+
+    def run(cases, **kw):
+        calls.append(([c.name for c in cases], kw))
+        kw["progress"](1, 1, "done")
+        return rows
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench, "collect_meta", lambda **settings: {"gpu": "fake", "settings": settings})
+    return calls
+
+
+def test_bench_cli_writes_table_and_json(monkeypatch, capsys, tmp_path):
+    rows = bench.add_ratios([_row(path="provider", ms=1.0, served=2, fallbacks=0, calls=2), _row(ms=2.0)])
+    calls = _fake_run(monkeypatch, rows)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--modes", "fwd", "--repeats", "7", "--json", str(out)]
+    assert cli.main(argv) == cli.EXIT_OK
+    (names, kw), = calls
+    assert names == list(bench.QUICK_CASES) and callable(kw.pop("progress"))
+    assert kw == dict(modes=("fwd",), repeats=7, warmup=bench.QUICK.warmup, host_calls=bench.QUICK.host_calls)
+    captured = capsys.readouterr()
+    assert captured.out.strip() == bench.format_table(rows)
+    assert "1/1 done" in captured.err  # the progress bar goes to stderr
+    data = json.loads(out.read_text())
+    assert data["rows"] == [r.as_dict() for r in rows]
+    assert data["meta"]["settings"] == {"quick": True, "modes": ["fwd"], "cases": list(bench.QUICK_CASES),
+                                        "repeats": 7, "warmup": bench.QUICK.warmup,
+                                        "host_calls": bench.QUICK.host_calls}
+
+
+def test_bench_cli_without_matplotlib_keeps_results_and_fails(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    _fake_run(monkeypatch, [_row(ms=2.0)])
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--shapes", "b4_h16_s4096_d128", "--json", str(out), "--plot", "p.png"]) == \
+        cli.EXIT_FAILURE
+    captured = capsys.readouterr()
+    assert "b4_h16_s4096_d128" in captured.out and out.exists()
+    assert captured.err.count("--plot p.png will not be written") == 2  # before the run and after it
+
+
+def test_bench_cli_writes_the_plot(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    _fake_run(monkeypatch, bench.add_ratios([_row(path="provider", ms=1.0), _row(ms=2.0)]))
+    out = tmp_path / "bench.png"
+    assert cli.main(["bench", "--plot", str(out)]) == cli.EXIT_OK
+    assert out.stat().st_size > 0
+
+
+def test_bench_list_works_without_cuda(capsys):
+    assert cli.main(["bench", "--list"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert all(c.name in out for c in bench.MATRIX)
+
+
+def test_progress_line():
+    assert cli._progress_line(0, 4, "x", width=8) == "[........] 0/4 x"
+    assert cli._progress_line(2, 4, "a b", width=8) == "[####....] 2/4 a b"
+    assert cli._progress_line(4, 4, "done", width=8) == "[########] 4/4 done"
+
+
+def test_progress_writes_lines_when_not_a_tty():
+    import io
+
+    stream = io.StringIO()
+    show = cli._progress(stream)
+    show(1, 2, "one")
+    show(2, 2, "two")
+    assert stream.getvalue().splitlines() == [cli._progress_line(1, 2, "one"), cli._progress_line(2, 2, "two")]

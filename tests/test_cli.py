@@ -1,0 +1,250 @@
+"""CPU tier: the ``cudnn-sdpa`` CLI through ``main(argv)`` (exit codes, help, run, demo, doctor)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import cudnn_sdpa_provider as csp
+from cudnn_sdpa_provider import cli, counters
+from cudnn_sdpa_provider.reasons import PATHS
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+HELP = """\
+usage: cudnn-sdpa [-h] {run,demo,doctor,bench} ...
+
+PyTorch attention on cuDNN graphs, with an audit.
+
+positional arguments:
+  {run,demo,doctor,bench}
+    run                 run a Python script under the provider and report at exit
+    demo                train a small built-in transformer a few steps under the provider
+    doctor              versions, GPU, served features, coexistence, GPU self-test
+    bench               time the provider side by side with PyTorch's native attention paths
+
+options:
+  -h, --help            show this help message and exit
+"""
+
+RUN_HELP = """\
+usage: cudnn-sdpa run [-h] [--strict] [--report FILE] script ...
+
+positional arguments:
+  script         the script to run
+  args           arguments for the script
+
+options:
+  -h, --help     show this help message and exit
+  --strict       raise FallbackError wherever a call would fall back
+  --report FILE  also write the telemetry JSON to FILE
+"""
+
+#: A small CPU script for ``run``: attention forward + backward, then exits with the code in argv[1].
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.nn.functional as F
+    import cudnn_sdpa_provider as csp
+    print("enabled:", csp.enabled(), "argv:", sys.argv)
+    q = torch.randn(1, 2, 8, 8, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q).sum().backward()
+    code = sys.argv[1] if len(sys.argv) > 1 else "none"
+    if code != "none":
+        sys.exit(int(code) if code.lstrip("-").isdigit() else code)
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps help to the terminal width
+    counters.reset_stats()
+    yield
+    assert not csp.enabled(), "the CLI left the provider enabled"
+
+
+def test_exit_codes_are_distinct_named_constants():
+    codes = [cli.EXIT_OK, cli.EXIT_FAILURE, cli.EXIT_USAGE, cli.EXIT_SELF_TEST_FAILED, cli.EXIT_NO_CUDA]
+    assert codes == [0, 1, 2, 3, 4]
+
+
+def test_help_text(capsys):
+    assert cli.main(["--help"]) == cli.EXIT_OK
+    assert capsys.readouterr().out == HELP
+
+
+def test_run_help_text(capsys):
+    assert cli.main(["run", "--help"]) == cli.EXIT_OK
+    assert capsys.readouterr().out == RUN_HELP
+
+
+@pytest.mark.parametrize("argv", [[], ["bogus"], ["demo", "--device", "tpu"], ["demo", "--steps", "x"],
+                                  ["doctor", "--bogus"], ["run"]])
+def test_usage_errors(argv, capsys):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("usage: cudnn-sdpa") and "error:" in err
+
+
+def test_help_and_python_dash_m_never_import_torch():
+    code = ("import sys; from cudnn_sdpa_provider import cli; cli.main(['--help']); "
+            "print('torch imported:', 'torch' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="100")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("torch imported: False\n")
+    result = subprocess.run([sys.executable, "-m", "cudnn_sdpa_provider", "--help"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, HELP)
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def write_script(tmp_path, source=SCRIPT) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(source)
+    return str(path)
+
+
+@pytest.mark.parametrize("code, expected", [("none", 0), ("0", 0), ("3", 3), ("stop", cli.EXIT_FAILURE)])
+def test_run_propagates_the_exit_code_and_writes_the_report(tmp_path, capsys, code, expected):
+    script, report = write_script(tmp_path), tmp_path / "run.json"
+    argv_before = list(sys.argv)
+    assert cli.main(["run", "--report", str(report), script, code]) == expected
+    assert sys.argv == argv_before, "sys.argv restored"
+    out, err = capsys.readouterr()
+    assert f"enabled: True argv: [{script!r}, {code!r}]" in out
+    assert "cudnn-sdpa-provider report:" in err and "no_cuda=1" in err
+    data = json.loads(report.read_text())
+    assert set(data) == set(PATHS) | {"meta"}
+    assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": 1}}
+    assert data["dense_bwd"] == {"served": 0, "fallback": {"no_cuda": 1}}
+
+
+def test_run_passes_options_after_the_script_to_it(tmp_path, capsys):
+    script = write_script(tmp_path, "import sys\nprint(sys.argv[1:])\n")
+    assert cli.main(["run", script, "--strict", "--report", "x", "-h"]) == cli.EXIT_OK
+    assert "['--strict', '--report', 'x', '-h']" in capsys.readouterr().out
+
+
+def test_run_missing_script_is_a_usage_error(tmp_path, capsys):
+    missing = str(tmp_path / "nope.py")
+    assert cli.main(["run", missing]) == cli.EXIT_USAGE
+    assert f"cudnn-sdpa run: no such script: {missing}" in capsys.readouterr().err
+
+
+def test_run_strict_raises_out_of_main_and_still_reports(tmp_path, capsys):
+    script, report = write_script(tmp_path), tmp_path / "run.json"
+    with pytest.raises(csp.FallbackError, match="no_cuda"):
+        cli.main(["run", "--strict", "--report", str(report), script])
+    assert "cudnn-sdpa-provider report:" in capsys.readouterr().err
+    assert report.exists()
+
+
+def test_run_script_exception_propagates_and_disables(tmp_path, capsys):
+    script = write_script(tmp_path, "raise ZeroDivisionError('in the script')\n")
+    with pytest.raises(ZeroDivisionError, match="in the script"):
+        cli.main(["run", script])
+
+
+def test_run_script_imports_its_sibling_modules(tmp_path, capsys):
+    sub = tmp_path / "project"
+    sub.mkdir()
+    (sub / "helper_mod_for_cli_test.py").write_text("VALUE = 42\n")
+    script = write_script(sub, "import helper_mod_for_cli_test as h\nprint('helper', h.VALUE)\n")
+    try:
+        assert cli.main(["run", script]) == cli.EXIT_OK
+    finally:
+        sys.modules.pop("helper_mod_for_cli_test", None)
+    assert "helper 42" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------- demo
+
+
+def test_demo_json_on_cpu(capsys):
+    assert cli.main(["demo", "--steps", "1", "--device", "cpu", "--json"]) == cli.EXIT_OK
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"device", "losses"} | set(PATHS)
+    assert data["device"] == "cpu"
+    (loss,) = data["losses"]
+    assert math.isfinite(loss) and abs(loss - math.log(256)) < 1.0, "an untrained byte model: about ln(256)"
+    layers = 2
+    assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": layers}}
+    assert data["dense_bwd"] == {"served": 0, "fallback": {"no_cuda": layers}}
+    assert data["varlen_fwd"] == data["varlen_bwd"] == {"served": 0, "fallback": {}}
+
+
+def test_demo_table_on_cpu(capsys):
+    assert cli.main(["demo", "--steps", "1", "--device", "cpu"]) == cli.EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "demo: TinyGQA, 1 steps on cpu"
+    assert lines[1].startswith("losses: ") and math.isfinite(float(lines[1].split()[1]))
+    assert lines[2].split() == ["path", "served", "fallback", "fallback", "reasons"]
+    assert lines[3].split() == ["dense_fwd", "0", "2", "no_cuda=2"]
+    assert lines[4].split() == ["dense_bwd", "0", "2", "no_cuda=2"]
+
+
+def test_demo_cuda_without_cuda_is_a_usage_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    assert cli.main(["demo", "--device", "cuda"]) == cli.EXIT_USAGE
+    assert "--device cuda but CUDA is not available" in capsys.readouterr().err
+
+
+def test_demo_zero_steps_is_a_usage_error(capsys):
+    assert cli.main(["demo", "--steps", "0", "--device", "cpu"]) == cli.EXIT_USAGE
+
+
+# --------------------------------------------------------------------------------------- doctor
+
+
+def doctor_json(capsys) -> list[dict]:
+    assert cli.main(["doctor", "--json", "--no-self-test"]) == cli.EXIT_OK
+    return json.loads(capsys.readouterr().out)
+
+
+def test_doctor_json_on_cpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only expectations")
+    rows = doctor_json(capsys)
+    for row in rows:
+        assert set(row) == {"section", "label", "ok", "value"}
+        assert row["ok"] in (True, False, None) and isinstance(row["value"], str)
+    by_label = {(r["section"], r["label"]): r for r in rows}
+    assert by_label[("versions", "cudnn-sdpa-provider")]["value"] == csp.__version__
+    assert by_label[("versions", "torch")]["value"] == torch.__version__
+    assert by_label[("device", "GPU")] == {"section": "device", "label": "GPU", "ok": False, "value": "none"}
+    assert by_label[("features", "all")] == {"section": "features", "label": "all", "ok": False,
+                                             "value": "no: no_cuda (no CUDA device)"}
+    assert not any(r["section"] == "self-test" for r in rows)
+
+
+def test_doctor_reports_disabled_cudnn_sdp(capsys):
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        rows = doctor_json(capsys)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    (row,) = [r for r in rows if r["section"] == "coexistence" and r["label"] == "cudnn_sdp_disabled"]
+    assert row["ok"] is False and "enable_cudnn_sdp(False)" in row["value"]
+
+
+def test_doctor_table(capsys):
+    assert cli.main(["doctor", "--no-self-test"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "\n[versions]\n" in out and "\n[device]\n" in out and "\n[features]\n" in out
+    if not torch.cuda.is_available():
+        assert "NO  all" in out and "no: no_cuda (no CUDA device)" in out

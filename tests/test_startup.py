@@ -1,0 +1,168 @@
+"""CPU tier: the environment-variable opt-in (``cudnn_sdpa_provider_startup.pth`` + ``_startup``),
+each case in a fresh interpreter running an UNMODIFIED script.
+
+``site.addsitedir`` on a directory holding a copy of the .pth processes it exactly as site-packages
+would at interpreter start; then ``runpy`` runs the script as ``__main__``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+
+from cudnn_sdpa_provider.reasons import PATHS
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PTH = REPO / "cudnn_sdpa_provider_startup.pth"
+VALID_VALUES = ("1 (enable)", "strict (enable, raise on fallback)", "0 (off)")
+
+#: A plain CPU PyTorch script; it never mentions the provider, only looks at sys.modules.
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    print("before torch:", "torch" in sys.modules, "cudnn_sdpa_provider.activation" in sys.modules)
+    import torch
+    import torch.nn.functional as F
+    print("after torch:", "cudnn_sdpa_provider.activation" in sys.modules)
+    q = torch.randn(2, 2, 16, 8, requires_grad=True)
+    for _ in range(2):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    print("package imported:", "cudnn_sdpa_provider" in sys.modules)
+    print("args:", sys.argv[1:])
+    """
+)
+
+NO_TORCH_SCRIPT = 'import sys\nprint("torch imported:", "torch" in sys.modules)\n'
+
+_RUNNER = ("import runpy, site, sys; site.addsitedir(sys.argv[1]); sys.argv = sys.argv[2:]; "
+           "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDNN_SDPA_PROVIDER") and k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env
+
+
+def run_script(tmp_path, source=SCRIPT, *, args=(), via_pth=True, **env) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    if via_pth:
+        site_dir = tmp_path / "site"
+        site_dir.mkdir(exist_ok=True)
+        shutil.copy(PTH, site_dir / PTH.name)
+        argv = ["-c", _RUNNER, str(site_dir), str(script), *args]
+    else:
+        argv = [str(script), *args]
+    return subprocess.run([sys.executable, *argv], cwd=tmp_path, env=_env(**env), capture_output=True, text=True,
+                          timeout=300)
+
+
+def ok(result) -> str:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout
+
+
+def test_pth_is_one_guarded_line():
+    lines = PTH.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("import "), "site runs only lines that start with 'import'"
+    assert "except BaseException" in lines[0], "interpreter start must never break"
+    assert 'os.environ.get("CUDNN_SDPA_PROVIDER", "").strip() not in ("", "0")' in lines[0]
+
+
+def test_enabled_writes_report_with_no_cuda_fallbacks(tmp_path):
+    report = tmp_path / "run.json"
+    out = ok(run_script(tmp_path, args=("--flag", "x"), CUDNN_SDPA_PROVIDER="1",
+                        CUDNN_SDPA_PROVIDER_REPORT=str(report)))
+    assert "before torch: False False" in out, "the hook imports neither torch nor the provider's torch parts"
+    assert "after torch: True" in out, "activated right after the script's own import torch"
+    assert "args: ['--flag', 'x']" in out
+    data = json.loads(report.read_text())
+    assert set(data) == set(PATHS) | {"meta"}
+    assert data["meta"]["enabled"] is True
+    for key in ("provider", "python", "torch", "time", "device"):
+        assert key in data["meta"]
+    assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": 2}}
+    assert data["dense_bwd"] == {"served": 0, "fallback": {"no_cuda": 2}}
+    assert data["varlen_fwd"] == data["varlen_bwd"] == {"served": 0, "fallback": {}}
+
+
+def test_off_imports_nothing_and_writes_nothing(tmp_path):
+    report = tmp_path / "run.json"
+    out = ok(run_script(tmp_path, CUDNN_SDPA_PROVIDER=" 0 ", CUDNN_SDPA_PROVIDER_REPORT=str(report)))
+    assert "package imported: False" in out
+    assert not report.exists()
+
+
+def test_invalid_value_warns_names_valid_values_and_runs(tmp_path):
+    report = tmp_path / "run.json"
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="maybe", CUDNN_SDPA_PROVIDER_REPORT=str(report))
+    out = ok(result)
+    assert "RuntimeWarning" in result.stderr and "CUDNN_SDPA_PROVIDER='maybe' is not a valid value" in result.stderr
+    for valid in VALID_VALUES:
+        assert valid in result.stderr, result.stderr
+    assert "after torch: False" in out, "an invalid value leaves the provider off"
+    assert not report.exists()
+
+
+def test_script_without_torch_never_imports_torch(tmp_path):
+    out = ok(run_script(tmp_path, NO_TORCH_SCRIPT, CUDNN_SDPA_PROVIDER="1"))
+    assert "torch imported: False" in out
+
+
+def test_strict_raises_fallback_error_in_the_script(tmp_path):
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="strict")
+    assert result.returncode == 1
+    assert "FallbackError" in result.stderr and "no_cuda" in result.stderr
+    assert "dense_fwd would fall back" in result.stderr
+
+
+def test_log_info_logs_each_configuration_once(tmp_path):
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_LOG="info")
+    ok(result)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("cudnn_sdpa_provider INFO: ")]
+    # two identical calls: the configuration's fallback is logged once, never per call
+    assert any("dense_fwd falls back (no_cuda)" in line for line in lines), result.stderr
+    assert len(lines) == len(set(lines)), result.stderr
+
+
+def _installed_pth() -> pathlib.Path | None:
+    dirs = {sysconfig.get_paths()["purelib"], *site.getsitepackages(), site.getusersitepackages()}
+    for d in dirs:
+        candidate = pathlib.Path(d) / PTH.name
+        if candidate.exists():
+            return candidate
+    return None
+
+
+@pytest.mark.skipif(_installed_pth() is None, reason="the package is not pip-installed (no .pth in site-packages)")
+def test_installed_pth_plain_python_run(tmp_path):
+    assert _installed_pth().read_text() == PTH.read_text(), "the installed hook is the shipped one"
+    report = tmp_path / "run.json"
+    out = ok(run_script(tmp_path, via_pth=False, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(report)))
+    assert "after torch: True" in out
+    data = json.loads(report.read_text())
+    assert data["dense_fwd"]["fallback"] == {"no_cuda": 2} and data["dense_bwd"]["fallback"] == {"no_cuda": 2}
+    out = ok(run_script(tmp_path, via_pth=False, CUDNN_SDPA_PROVIDER="0"))
+    assert "package imported: False" in out
+
+
+def test_run_is_idempotent_in_process(monkeypatch):
+    from cudnn_sdpa_provider import _startup
+
+    monkeypatch.setattr(_startup, "_done", True)
+    monkeypatch.setenv("CUDNN_SDPA_PROVIDER", "maybe")
+    _startup.run()  # already ran: no warning (filterwarnings=error), no activation
+    import cudnn_sdpa_provider as csp
+
+    assert not csp.enabled()
