@@ -13,7 +13,7 @@ CPU_DEPS = ["torch==2.13.0", "nvidia-cudnn-frontend==1.28.0"]
 @nox.session
 def tests(session):
     session.install(*CPU_DEPS)
-    session.install(".[test]")
+    session.install(".[test,transformers]")
     session.run("python", "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "ci"})
 

@@ -53,6 +53,7 @@ OTHER_SOURCES = {
     "dropout": "also an SDPA call with `return_debug_mask=True` (the dropout debug mask).",
     "graph_not_supported": "`graphs`: cuDNN rejected the graph while validating or building it.",
     "paged_kv": "`overrides`: a varlen_attn call with `seqused_k` / `block_table`.",
+    "softcap": "`integrations.transformers`: a layer with attention logit soft-capping (Gemma 2).",
     "rank": "`overrides`: an F.sdpa call on CUDA tensors that are not 4-D (PyTorch's math route).",
     "deterministic_workspace": "`support.reasons()` after every rule passed: a deterministic backward on "
                                "sm_90 with cuDNN < 9.25 whose workspace exceeds the limit "

@@ -89,6 +89,19 @@ def _scale(scale, q) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
+_UNUSED_PHILOX: dict = {}
+
+
+def _unused_philox(device: torch.device) -> torch.Tensor:
+    """One int64 buffer per device whose elements 0 and 2 (16-byte aligned, as inductor asserts
+    of outputs) stand in for the philox seed/offset outputs when there is no dropout: the op must
+    return them, nothing reads them, and a shared buffer costs no allocation per call."""
+    found = _UNUSED_PHILOX.get(device)
+    if found is None:
+        found = _UNUSED_PHILOX.setdefault(device, torch.zeros(4, dtype=torch.int64, device=device))
+    return found
+
+
 class _Dense:
     """The dense cuDNN op pair: serve, or run the original kernel."""
 
@@ -106,8 +119,7 @@ class _Dense:
             # so PyTorch's kernel then draws exactly what it would have drawn natively.
             engine.check(engine.dense_problem(query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p),
                          query.device)
-            # seed and offset are elements 0 and 2 of one storage: each is 16-byte aligned (inductor
-            # asserts that of every output) and the shared storage is the backward's marker.
+            # seed and offset are elements 0 and 2: each 16-byte aligned, as inductor asserts of outputs.
             philox = engine.new_philox(query.device, 4) if dropout_p > 0.0 else None
             out, lse = engine.dense_fwd(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
                                         dropout_p=dropout_p, compute_lse=compute_log_sumexp,
@@ -118,13 +130,14 @@ class _Dense:
             _fallback("dense_fwd", exc.reason, exc.detail, inputs)
             result = self.fwd_original.call_boxed(keyset, query, key, value, attn_bias, compute_log_sumexp, dropout_p,
                                                   is_causal, return_debug_mask, scale=scale)
-            if result[7] is not None:
-                markers.mark(result[7], markers.Record("dense", served=False, reason=exc.reason))
+            if compute_log_sumexp and isinstance(result[1], torch.Tensor) and result[1].numel() > 0:
+                markers.mark(result[1], markers.Record("dense", served=False, reason=exc.reason))
             return result
         counters.record("dense_fwd")
-        if philox is None:  # the pair is the backward's marker; its values matter only with dropout
-            philox = torch.empty(4, dtype=torch.int64, device=query.device)
-        markers.mark(philox, markers.Record("dense", served=True))
+        if compute_log_sumexp:  # a backward can follow: the LSE it will receive is the marker
+            markers.mark(lse, markers.Record("dense", served=True))
+        if philox is None:  # without dropout the pair's values are never read
+            philox = _unused_philox(query.device)
         return out, lse, None, None, query.shape[2], key.shape[2], philox[0], philox[2], None
 
     def backward(self, keyset, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
@@ -134,7 +147,7 @@ class _Dense:
                                                 philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
                                                 dropout_p, is_causal, scale=scale)
 
-        record = markers.lookup(philox_offset)
+        record = markers.lookup(logsumexp)
         if record is None:  # the forward ran outside the provider: not ours to count
             return original()
         if not record.served:

@@ -102,6 +102,10 @@ CATALOG: dict[str, tuple[str, str]] = {
         "F.scaled_dot_product_attention got inputs that are not 4-D (B, H, S, D); PyTorch runs them on its math kernel.",
         "Pass (B, H, S, D) tensors (add a batch dim), or use cudnn_sdpa_provider.attention.",
     ),
+    "softcap": (
+        "Attention logit soft-capping (Gemma 2) is not served: cuDNN's SDPA graph has no softcap.",
+        "Nothing to do; the layer runs its own eager attention (counted as this fallback).",
+    ),
     "paged_kv": (
         "A varlen_attn call with seqused_k / block_table (a paged KV cache) is not served.",
         "Nothing to do; it runs on PyTorch's flash kernel.",

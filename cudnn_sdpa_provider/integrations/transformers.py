@@ -45,16 +45,16 @@ for sinks at S_q == 1, ``no_cuda`` on the CPU, ...) when all of these hold:
 Sinks (gpt-oss passes ``s_aux=module.sinks``; they get their gradient), grouped-query attention
 (no ``repeat_kv``) and attention dropout (``attention_dropout`` in training, as ``dropout_p``:
 cuDNN's Philox stream, so masks differ from eager's, reproducibly under ``torch.manual_seed``)
-are served. Under autocast q, k, v are cast to the autocast dtype,
-as F.scaled_dot_product_attention does (HF's rotary embedding can leave q, k fp32 and v bf16).
+are served. Under autocast q, k, v are cast to the autocast dtype, as
+F.scaled_dot_product_attention does (HF's rotary embedding can leave q, k fp32 and v bf16).
 
 Deciding 3 for a mask on the GPU needs its contents. ``padding="auto"`` (default) reads ONE
-2-element flag per mask type and forward (never per layer; transformers' own mask code already
-reads the device once per forward) and never reads while tracing (torch.compile, CUDA-graph
-capture), where padded batches fall back. ``padding="right"`` never reads for prefill/training:
-the caller promises right padding and ``torch._assert_async`` checks it on the device, so a
-left-padded batch fails loudly instead of being computed as something else (with a cache offset
-it behaves like "auto").
+2-element flag per mask type and forward (never per layer; transformers' own sdpa and flash mask
+builders make a comparable read) and never reads while tracing (torch.compile, CUDA-graph
+capture), where any 2-D mask, even all ones, falls back. ``padding="right"`` never reads for
+prefill/training: the caller promises right padding and ``torch._assert_async`` checks it on the
+device, so a left-padded batch fails loudly instead of being computed as something else (with a
+cache offset it behaves like "auto").
 
 Falls back (correct, counted with a reason):
 

@@ -7,7 +7,10 @@ Two ways in are checked:
   right-padded bf16 batch, and loss and every parameter gradient must match eager attention;
 * ``attn_implementation="sdpa"`` inside ``csp.enable()``: transformers passes a boolean padding /
   sliding-window mask to F.scaled_dot_product_attention, which the provider serves on its cuDNN
-  bias path; the telemetry must show one served call per layer and zero fallbacks.
+  bias path; the telemetry must show one served call per layer and zero fallbacks (gpt-oss is
+  left out: transformers refuses sdpa for it, ``_supports_sdpa = False``).
+Also: autocast (fp32 weights), attention dropout, a left-padded batch (falls back, then served on
+the bias path inside ``csp.enable()``), and the telemetry of generate()'s decode steps.
 
 Accuracy: the reference is eager attention in float32; a bf16 result passes when its error
 (max |err| / max |ref|, per tensor) is within the tolerance table of ``tests.util`` or within
@@ -218,6 +221,25 @@ def test_cudnn_attn_implementation_under_autocast(hf):
     cand = _train_step(model, batch, autocast=True)
     problems = _served(cand[2], model.config.num_hidden_layers) + _accuracy(ref, yard, cand)
     assert not problems, _report("llama (autocast)", NAME, cand[2], problems)
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_attention_dropout_served(hf, family):
+    """attention_dropout in training runs as cuDNN dropout (its own Philox stream: not comparable
+    element by element with eager, so: served, finite, and different from no dropout)."""
+    state = _weights(hf, family)
+    batch = _batch(LENGTHS)
+    model = _build(hf, family, NAME, state, BF16)
+    loss_plain = _train_step(model, batch)[0]
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    loss, grads, delta = _train_step(model, batch)
+    problems = _served(delta, model.config.num_hidden_layers)
+    problems += [f"grad {n}: non-finite" for n, g in grads.items() if not torch.isfinite(g).all()]
+    if not torch.isfinite(loss).all() or torch.equal(loss, loss_plain):
+        problems.append(f"loss {loss.item()} (without dropout {loss_plain.item()})")
+    assert not problems, _report(family, f"{NAME} with attention_dropout=0.1", delta, problems)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])  # gpt-oss: _supports_sdpa = False
