@@ -159,6 +159,11 @@ class _Fast:
         self.plan, self.sizes, self.strides, self.lse_size, self.compute_lse = plan, sizes, strides, lse_size, compute_lse
 
 
+def _same(xs, ys) -> bool:
+    """Identity, element by element (``==`` on tensors would compare values)."""
+    return all(x is y for x, y in zip(xs, ys))
+
+
 def _sinks_as_is(sinks) -> bool:
     return sinks is None or (sinks.dtype == torch.float32 and sinks.dim() == 1 and sinks.stride(0) == 1)
 
@@ -290,7 +295,7 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
         out.copy_(out_buf)
     if padded:
         out.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), s_q), 0)
-    if signature is not None and (qr, kr, vr, out_buf) == (q, k, v, out) and _sinks_as_is(sinks):
+    if signature is not None and _same((qr, kr, vr, out_buf), (q, k, v, out)) and _sinks_as_is(sinks):
         graphs.fast_put(signature, _Fast(plan, (tuple(out.shape),), (out.stride(),), tuple(lse.shape), compute_lse))
     return out, lse
 
@@ -385,7 +390,7 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
             dst.copy_(buf)
     if padded:
         _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv)
-    reusable = (qr, kr, vr, outr, do, dq_buf, dk_buf, dv_buf) == (q, k, v, out, grad_out, dq, dk, dv)
+    reusable = _same((qr, kr, vr, outr, do, dq_buf, dk_buf, dv_buf), (q, k, v, out, grad_out, dq, dk, dv))
     needs_workspace_check = support.deterministic_workspace_bytes(
         dense_problem(q, k, v, backward=True, deterministic=deterministic), support.capabilities(device)) > 0
     if signature is not None and reusable and lse is lse_in and _sinks_as_is(sinks) and not needs_workspace_check:
