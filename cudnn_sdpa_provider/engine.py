@@ -396,7 +396,26 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
     if signature is not None and reusable and lse is lse_in and _sinks_as_is(sinks) and not needs_workspace_check:
         sizes = tuple(tuple(t.shape) for t in (dq, dk, dv))
         graphs.fast_put(signature, _Fast(plan, sizes, (dq.stride(), dk.stride(), dv.stride())))
-    return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)
+    return dq, dk, dv, (_sink_grad_dense(sinks, lse, outr, do) if sinks is not None else None)
+
+
+def _sink_grad_dense(sinks, lse, out, grad_out) -> torch.Tensor:
+    """dSink[h] = -sum over b, i of p_sink * rowsum(dO * O), p_sink = exp(sink[h] - lse[b, h, i]).
+
+    Computed here instead of read from cuDNN's dSink_token: the GPU fuzz found cuDNN 9.19's dSink
+    wrong (rel err 0.6) for a padded batch whose band window leaves query rows without any visible
+    key (tests/gpu/test_reliability.py keeps the case). Rows whose output is 0 (padded, keyless)
+    contribute exactly 0, whatever their LSE holds, as the definition says."""
+    delta = (grad_out.float() * out.float()).sum(dim=-1)  # (B, H, S_q)
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse.view(delta.shape))
+    return -torch.where(delta == 0, torch.zeros_like(delta), p_sink * delta).sum(dim=(0, 2))
+
+
+def _sink_grad_packed(sinks, lse, out, grad_out) -> torch.Tensor:
+    """The same for packed (T, H) rows."""
+    delta = (grad_out.float() * out.float()).sum(dim=-1)  # (T, H)
+    p_sink = torch.exp(sinks.float().view(1, -1) - lse)
+    return -torch.where(delta == 0, torch.zeros_like(delta), p_sink * delta).sum(dim=0)
 
 
 def _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv) -> None:
@@ -424,7 +443,7 @@ def _dense_bwd_fast(hit: _Fast, grad_out, q, k, v, out, lse, sinks, seq_len_q, s
     graphs.execute(hit.plan, buffers, device.index, _stream(device.index))
     if seq_len_q is not None:
         _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv)
-    return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)
+    return dq, dk, dv, (_sink_grad_dense(sinks, lse, out, grad_out) if sinks is not None else None)
 
 
 # -------------------------------------------------------------------------------------- varlen
@@ -575,4 +594,4 @@ def varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seq
     )
     _run(key, buffers)
     _zero_keyless_tokens(dq, cu_seqlens_q, cu_seqlens_kv)
-    return dq, dk, dv, (dsinks.view(h) if dsinks is not None else None)
+    return dq, dk, dv, (_sink_grad_packed(sinks, lse, outr, do) if sinks is not None else None)

@@ -129,6 +129,8 @@ def _run_case(cfg):
                   mask="causal_br", sinks=False, padded="with_one", order="bhsd", odd="no", seed=1))
 @example(cfg=dict(dtype=torch.float16, b=3, h_k=2, group=2, v_heads_same=True, s_q=200, s_kv=17, dims=(192, 128),
                   mask="window_br", sinks=True, padded="with_zero", order="sbhd", odd="offset", seed=2))
+@example(cfg=dict(dtype=torch.bfloat16, b=2, h_k=1, group=1, v_heads_same=False, s_q=64, s_kv=17, dims=(128, 128),
+                  mask="band", sinks=True, padded="yes", order="bhsd", odd="slice", seed=683))  # cuDNN dSink
 def test_fuzzed_dense_parity(cfg):
     _run_case(cfg)
 
