@@ -173,10 +173,28 @@ def _buffer_for(dst: torch.Tensor) -> torch.Tensor:
     return dst if layout.usable(dst) else torch.empty(tuple(dst.shape), dtype=dst.dtype, device=dst.device)
 
 
-def _live_q(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor) -> torch.Tensor:
-    """Query lengths with rows that see no key at all (kv length 0) counted as padding: cuDNN
-    before 9.25 leaves NaN in those rows (FACTS.md 3); attention over nothing is defined as 0."""
-    return torch.where(seq_len_kv > 0, seq_len_q, torch.zeros_like(seq_len_q))
+def _dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q=None, seq_len_kv=None, device=None):
+    """(B|1, 1, S_q, 1) bool of query rows whose output is 0 by definition: padded rows, and rows
+    that see no key at all (a window or alignment that excludes every key, or kv length 0). cuDNN
+    leaves such rows unspecified (NaN before 9.25; with sinks, a wrong contribution to dSink,
+    found by the GPU fuzz). None when the shapes alone prove every row sees a key."""
+    left, right = window
+    if seq_len_q is None:
+        off = s_kv - s_q if bottom_right else 0
+        first_dead = right >= 0 and off + right < 0
+        last_dead = left >= 0 and (s_q - 1) + off - left > s_kv - 1
+        if not (first_dead or last_dead):
+            return None
+        lq = torch.tensor(s_q, device=device)
+        lk = torch.tensor(s_kv, device=device)
+    else:
+        lq, lk = seq_len_q.view(-1, 1).long(), seq_len_kv.view(-1, 1).long()
+    i = torch.arange(s_q, device=device).view(1, -1)
+    off = (lk - lq) if bottom_right else torch.zeros_like(lk)
+    lo = (i + off - left).clamp(min=0) if left >= 0 else torch.zeros_like(i + off)
+    hi = torch.minimum(i + off + right, lk - 1) if right >= 0 else (lk - 1).expand_as(i + off)
+    live = (i < lq) & (lo <= hi)
+    return (~live).view(live.shape[0], 1, s_q, 1)
 
 
 def _rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:
@@ -245,7 +263,7 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
                      _sig(seq_len_kv), float(scale), tuple(window), bool(bottom_right), bool(compute_lse))
         hit = graphs.fast_get(signature)
         if hit is not None and _aligned(q, k, v, sinks):
-            return _dense_fwd_fast(hit, q, k, v, sinks, seq_len_q, seq_len_kv)
+            return _dense_fwd_fast(hit, q, k, v, sinks, seq_len_q, seq_len_kv, window, bottom_right)
     if not checked:
         check(dense_problem(q, k, v, window=window, bottom_right=bottom_right, sinks=sinks is not None, bias=bias,
                             dropout_p=dropout_p, padded=padded), q.device)
@@ -293,14 +311,15 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
     plan = _run(key, buffers)
     if out_buf is not out:
         out.copy_(out_buf)
-    if padded:
-        out.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), s_q), 0)
+    dead = _dead_rows(s_q, k.shape[2], window, bottom_right, seq_len_q, seq_len_kv, q.device)
+    if dead is not None:
+        out.masked_fill_(dead, 0)
     if signature is not None and _same((qr, kr, vr, out_buf), (q, k, v, out)) and _sinks_as_is(sinks):
         graphs.fast_put(signature, _Fast(plan, (tuple(out.shape),), (out.stride(),), tuple(lse.shape), compute_lse))
     return out, lse
 
 
-def _dense_fwd_fast(hit: _Fast, q, k, v, sinks, seq_len_q, seq_len_kv):
+def _dense_fwd_fast(hit: _Fast, q, k, v, sinks, seq_len_q, seq_len_kv, window, bottom_right):
     device = q.device
     out = torch.empty_strided(hit.sizes[0], hit.strides[0], dtype=q.dtype, device=device)
     lse = torch.empty(hit.lse_size, dtype=torch.float32, device=device)
@@ -314,8 +333,9 @@ def _dense_fwd_fast(hit: _Fast, q, k, v, sinks, seq_len_q, seq_len_kv):
     if sinks is not None:
         buffers[UID.SINK] = sinks.view(1, h, 1, 1)
     graphs.execute(hit.plan, buffers, device.index, _stream(device.index))
-    if seq_len_q is not None:
-        out.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), q.shape[2]), 0)
+    dead = _dead_rows(q.shape[2], k.shape[2], window, bottom_right, seq_len_q, seq_len_kv, device)
+    if dead is not None:
+        out.masked_fill_(dead, 0)
     return out, lse
 
 
@@ -330,7 +350,8 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
                      bool(deterministic))
         hit = graphs.fast_get(signature)
         if hit is not None and _aligned(grad_out, q, k, v, out, lse, sinks):
-            return _dense_bwd_fast(hit, grad_out, q, k, v, out, lse, sinks, seq_len_q, seq_len_kv)
+            return _dense_bwd_fast(hit, grad_out, q, k, v, out, lse, sinks, seq_len_q, seq_len_kv, window,
+                                   bottom_right)
     check(dense_problem(q, k, v, backward=True, window=window, bottom_right=bottom_right, sinks=sinks is not None,
                         bias=bias, dropout_p=dropout_p, padded=padded, deterministic=deterministic), q.device)
     b, h, s_q, _ = q.shape
@@ -388,8 +409,7 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
     for dst, buf in ((dq, dq_buf), (dk, dk_buf), (dv, dv_buf)):
         if buf is not dst:
             dst.copy_(buf)
-    if padded:
-        _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv)
+    _zero_dead_grads(dq, dk, dv, window, bottom_right, seq_len_q, seq_len_kv)
     reusable = _same((qr, kr, vr, outr, do, dq_buf, dk_buf, dv_buf), (q, k, v, out, grad_out, dq, dk, dv))
     needs_workspace_check = support.deterministic_workspace_bytes(
         dense_problem(q, k, v, backward=True, deterministic=deterministic), support.capabilities(device)) > 0
@@ -418,14 +438,17 @@ def _sink_grad_packed(sinks, lse, out, grad_out) -> torch.Tensor:
     return -torch.where(delta == 0, torch.zeros_like(delta), p_sink * delta).sum(dim=0)
 
 
-def _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv) -> None:
-    dq.masked_fill_(_rows_past(_live_q(seq_len_q, seq_len_kv), dq.shape[2]), 0)
-    past_kv = _rows_past(seq_len_kv, dk.shape[2])
-    dk.masked_fill_(past_kv, 0)
-    dv.masked_fill_(past_kv, 0)
+def _zero_dead_grads(dq, dk, dv, window, bottom_right, seq_len_q, seq_len_kv) -> None:
+    dead = _dead_rows(dq.shape[2], dk.shape[2], window, bottom_right, seq_len_q, seq_len_kv, dq.device)
+    if dead is not None:
+        dq.masked_fill_(dead, 0)
+    if seq_len_kv is not None:
+        past_kv = _rows_past(seq_len_kv, dk.shape[2])
+        dk.masked_fill_(past_kv, 0)
+        dv.masked_fill_(past_kv, 0)
 
 
-def _dense_bwd_fast(hit: _Fast, grad_out, q, k, v, out, lse, sinks, seq_len_q, seq_len_kv):
+def _dense_bwd_fast(hit: _Fast, grad_out, q, k, v, out, lse, sinks, seq_len_q, seq_len_kv, window, bottom_right):
     device = q.device
     dq, dk, dv = (torch.empty_strided(size, stride, dtype=q.dtype, device=device)
                   for size, stride in zip(hit.sizes, hit.strides))
@@ -441,8 +464,7 @@ def _dense_bwd_fast(hit: _Fast, grad_out, q, k, v, out, lse, sinks, seq_len_q, s
         dsinks = torch.zeros((1, h, 1, 1), dtype=torch.float32, device=device)
         buffers[UID.DSINK] = dsinks
     graphs.execute(hit.plan, buffers, device.index, _stream(device.index))
-    if seq_len_q is not None:
-        _zero_padded_grads(dq, dk, dv, seq_len_q, seq_len_kv)
+    _zero_dead_grads(dq, dk, dv, window, bottom_right, seq_len_q, seq_len_kv)
     return dq, dk, dv, (_sink_grad_dense(sinks, lse, out, grad_out) if sinks is not None else None)
 
 
