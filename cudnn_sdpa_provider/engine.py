@@ -355,7 +355,6 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
     check(dense_problem(q, k, v, backward=True, window=window, bottom_right=bottom_right, sinks=sinks is not None,
                         bias=bias, dropout_p=dropout_p, padded=padded, deterministic=deterministic), q.device)
     b, h, s_q, _ = q.shape
-    s_kv = k.shape[2]
     device = q.device.index
     qr, kr, vr, outr = (layout.repaired(t) for t in (q, k, v, out))
     do = grad_out

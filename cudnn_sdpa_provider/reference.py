@@ -124,12 +124,11 @@ def pad_packed(x: torch.Tensor, cu: torch.Tensor, s_max: int) -> torch.Tensor:
     row, pos = _token_index(cu, x.shape[0])
     buf = x.new_zeros((batch + 1, s_max) + tuple(x.shape[1:]))
     buf = buf.index_put((row, pos), x)
-    return buf[:batch].movedim(2, 1) if x.dim() == 3 else buf[:batch]
+    return buf[:batch].movedim(2, 1)
 
 
 def unpad(y: torch.Tensor, cu: torch.Tensor, total: int) -> torch.Tensor:
     """(B, H, S_max, D) padded -> (T, H, D) packed; tokens past cu[-1] are 0. Differentiable."""
-    batch = cu.shape[0] - 1
     row, pos = _token_index(cu, total)
     ybs = y.movedim(1, 2)  # (B, S, H, D)
     ybs = torch.cat([ybs, ybs.new_zeros((1,) + tuple(ybs.shape[1:]))], dim=0)
