@@ -25,6 +25,14 @@ S = 24  # sequence length of the model tests
 WINDOW = 6  # sliding window of the model tests (< S, so it matters)
 
 
+
+def _no_cache(fn) -> dict:
+    """transformers renamed create_*_mask's ``past_key_values`` to ``cache`` (the old name warns
+    from 5.2x and goes in 5.40): pass "no cache" under whichever name this version takes."""
+    import inspect
+
+    return {"cache": None} if "cache" in inspect.signature(fn).parameters else {"past_key_values": None}
+
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -175,7 +183,7 @@ def test_mask_builder_serves_right_padding_and_falls_back_otherwise(hf, case, sl
     embeds = torch.zeros(b, s, 32)
     create = mu.create_causal_mask if sliding is None else mu.create_sliding_window_causal_mask
     built = create(config=_config_for_masks(hf, sliding), inputs_embeds=embeds, attention_mask=masks[case],
-                   past_key_values=None, position_ids=position_ids)
+                   **_no_cache(create), position_ids=position_ids)
     window = (-1, 0) if sliding is None else (sliding - 1, 0)
     if case in ("none", "ones", "right"):
         assert isinstance(built, csp_hf.CudnnMask), type(built)
@@ -190,7 +198,7 @@ def test_mask_builder_serves_right_padding_and_falls_back_otherwise(hf, case, sl
     # Whatever the route, the mask means exactly what transformers' sdpa mask means.
     cfg = _config_for_masks(hf, sliding)
     cfg._attn_implementation = "sdpa"
-    want = create(config=cfg, inputs_embeds=embeds, attention_mask=masks[case], past_key_values=None,
+    want = create(config=cfg, inputs_embeds=embeds, attention_mask=masks[case], **_no_cache(create),
                   position_ids=position_ids, allow_is_causal_skip=False)
     got = built.to_bool() if isinstance(built, csp_hf.CudnnMask) else built
     assert torch.equal(got, want)
@@ -205,11 +213,11 @@ def test_padding_right_policy_asserts_on_the_device_instead_of_guessing(hf):
         cfg._attn_implementation = "cudnn_right"
         embeds = torch.zeros(2, 4, 32)
         built = mu.create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=_mask(["1111", "1100"]),
-                                      past_key_values=None)
+                                      **_no_cache(mu.create_causal_mask))
         assert isinstance(built, csp_hf.CudnnMask) and built.seq_lens_kv.tolist() == [4, 2]
         with pytest.raises(RuntimeError, match="not right-padded"):
             mu.create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=_mask(["1111", "0011"]),
-                                  past_key_values=None)
+                                  **_no_cache(mu.create_causal_mask))
     finally:
         registration.remove()
 
