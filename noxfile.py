@@ -20,7 +20,7 @@ def tests(session):
 
 @nox.session
 def demo(session):
-    session.install(*CPU_DEPS)
+    session.install(*CPU_DEPS, "numpy")  # numpy: torch warns at import without it
     session.install(".")
     session.run("cudnn-sdpa", "demo", *session.posargs)
 
