@@ -10,6 +10,15 @@ Paths:
   flash          provider off, ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``
   efficient      provider off, ``sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)``
   native_varlen  provider off, ``varlen_attn`` (FlashAttention varlen in torch 2.11-2.13)
+Padded cases (a right-padded causal batch, as Hugging Face models pass it):
+  provider       ``csp.attention`` with per-sequence lengths (cuDNN skips the padded tiles)
+  provider_bias  F.sdpa with the boolean padding+causal mask inside ``enable()`` (a cuDNN bias graph)
+  native_cudnn, efficient   F.sdpa with the same mask, provider off, that backend forced
+  native                    the same, PyTorch choosing the backend (what a model gets by default)
+Step cases (a training step of ``demo.TinyGQA``: forward, loss, backward; fwd_bwd only):
+  provider, native          eager steps (native: provider off, PyTorch choosing the backend)
+  provider_graphed          the same step captured once in a CUDA graph under the provider (after
+                            warm-up steps that build every cuDNN graph), then ``graph.replay()``
 A path PyTorch cannot run at a case (efficient with GQA, ...) is ``skipped`` with PyTorch's reason.
 
 Modes: ``fwd`` (inference: inputs do not require grad, so no logsumexp is computed) and ``fwd_bwd``
@@ -18,9 +27,11 @@ Modes: ``fwd`` (inference: inputs do not require grad, so no logsumexp is comput
 Row metrics:
   median_ms, p20_ms, p80_ms  CUDA-event time of one call, over ``repeats`` timed calls after warm-up;
                              input sets rotate so a call never reads inputs the previous one left in L2
-  tflops          flops(case, mode) / median: forward 4*B*H_q*S_q*S_kv*D, halved when causal (varlen:
-                  summed over sequences); fwd_bwd counts 3.5x forward (FACTS.md section 2)
-  vs_native       baseline median / this median, >1 = faster; baseline native_cudnn (native_varlen)
+  tflops          flops(case, mode) / median: forward 4*B*H_q*S_q*S_kv*D, halved when causal (varlen and
+                  padded: summed over the real lengths); fwd_bwd counts 3.5x forward (FACTS.md section 2);
+                  none for step cases (a step is more than attention)
+  vs_native       baseline median / this median, >1 = faster; baseline native_cudnn (varlen:
+                  native_varlen; padded: native_cudnn, else native if cuDNN declined; step: native)
   peak_mib        peak memory allocated during one call above what was allocated before it (inputs)
   inputs_mib      one input set: q, k, v (and grad_out for fwd_bwd)
   host_us         host-cost cases: wall time per call of ``host_calls`` back-to-back calls, no sync
@@ -28,8 +39,10 @@ Row metrics:
   host_vs_native  baseline host_us / this host_us, >1 = cheaper on the host
   calls, served, fallbacks, fallback_reasons
                   provider rows: calls made and the counters' diff over them. A provider row is "ok"
-                  only if every call (forward and backward) was served; otherwise its status is
-                  "fallback" or "unserved" and its numbers are not the provider's.
+                  only if every attention call (forward and backward) made through Python was served
+                  (``expected``: graph replays run no Python, so only the warm-up and capture steps
+                  count); otherwise its status is "fallback" or "unserved" and its numbers are not
+                  the provider's.
 Status: ok | skipped (PyTorch cannot run the path) | fallback | unserved | error (exception; reason).
 """
 
@@ -66,7 +79,13 @@ __all__ = ["Case", "Row", "Measurement", "Preset", "BenchError", "MATRIX", "MODE
 MODES = ("fwd", "fwd_bwd")
 DENSE_PATHS = ("provider", "native_cudnn", "flash", "efficient")
 VARLEN_PATHS = ("provider", "native_varlen")
-BASELINE = {"dense": "native_cudnn", "varlen": "native_varlen"}
+PADDED_PATHS = ("provider", "provider_bias", "native_cudnn", "native", "efficient")
+STEP_PATHS = ("provider", "provider_graphed", "native")
+_PATHS = {"dense": DENSE_PATHS, "varlen": VARLEN_PATHS, "padded": PADDED_PATHS, "step": STEP_PATHS}
+#: Each kind's baselines for ``vs_native``, in order of preference (the first one that ran).
+BASELINE = {"dense": ("native_cudnn",), "varlen": ("native_varlen",), "padded": ("native_cudnn", "native"),
+            "step": ("native",)}
+GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before capture: every cuDNN graph is built by then
 BWD_FACTOR = 3.5  # fwd+bwd = 3.5x forward flops (FACTS.md section 2: 2 matmuls forward, 5 backward)
 ROTATE_BYTES = 256 << 20  # input sets rotate until they span this much: > 5x the 50 MB L2 of an H100/H200
 MAX_SETS = 8
@@ -91,10 +110,11 @@ QUICK = Preset(repeats=5, warmup=2, host_calls=50)
 
 @dataclass(frozen=True)
 class Case:
-    """One shape. ``seq`` is S (dense) or the longest sequence (varlen, lengths in ``seq_lens``)."""
+    """One shape. ``seq`` is S (dense, padded, step) or the longest sequence (varlen); ``seq_lens``
+    are the varlen sequences' lengths or the padded batch's real lengths."""
 
     name: str
-    kind: str  # "dense" or "varlen"
+    kind: str  # "dense", "varlen", "padded" or "step"
     batch: int
     h_q: int
     h_kv: int
@@ -103,6 +123,7 @@ class Case:
     causal: bool
     seq_lens: tuple[int, ...] = ()
     host: bool = False  # also measure the host cost per call
+    layers: int = 1  # attention calls per step (step cases: the model's layers)
 
     @property
     def gqa(self) -> bool:
@@ -110,13 +131,22 @@ class Case:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return DENSE_PATHS if self.kind == "dense" else VARLEN_PATHS
+        return _PATHS[self.kind]
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("fwd_bwd",) if self.kind == "step" else MODES
 
     def describe(self) -> str:
         heads = f"H={self.h_q}" + (f"/{self.h_kv} (GQA)" if self.gqa else "")
+        lens = self.seq_lens
         if self.kind == "varlen":
-            lens = self.seq_lens
             shape = f"varlen {len(lens)} seqs of {min(lens)}..{max(lens)} ({sum(lens)} tokens)"
+        elif self.kind == "padded":
+            pad = 1 - sum(lens) / (self.batch * self.seq)
+            shape = f"B={self.batch} S={self.seq} right-padded to lengths {min(lens)}..{max(lens)} ({pad:.0%} padding)"
+        elif self.kind == "step":
+            shape = f"training step of demo.TinyGQA ({self.layers} layers), B={self.batch} S={self.seq}"
         else:
             shape = f"B={self.batch} S={self.seq}"
         extra = ", host cost" if self.host else ""
@@ -132,16 +162,25 @@ def _varlen_lengths(n: int = 16, low: int = 128, high: int = 4096, seed: int = 0
     return tuple(rng.randint(low, high) for _ in range(n))
 
 
+def _padded_lengths(batch: int, seq: int, mean_pad: float = 0.25) -> tuple[int, ...]:
+    """Real lengths whose padding runs evenly from none to 2 x ``mean_pad`` of ``seq`` (mean ``mean_pad``)."""
+    return tuple(seq - round(seq * 2 * mean_pad * i / (batch - 1)) for i in range(batch))
+
+
 _LENS = _varlen_lengths()
 
 #: The default matrix: FACTS.md section 2's six dense shapes, a Llama-3 GQA long sequence, a varlen
-#: mix, and the tiny shape whose time is all host cost.
+#: mix, a padded Llama-3 GQA batch (lengths against the mask), the tiny shape whose time is all host
+#: cost, and a small training step (eager against CUDA-graph replay).
 MATRIX: tuple[Case, ...] = (
     *(_dense(b, h, s, d, c) for b, h, s, d in ((4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128))
       for c in (False, True)),
     Case("gqa_b1_h32kv8_s16384_d128_causal", "dense", 1, 32, 8, 16384, 128, True),
     Case("varlen_n16_h16_d128_causal", "varlen", len(_LENS), 16, 16, max(_LENS), 128, True, seq_lens=_LENS),
+    Case("padded_b8_h32kv8_s4096_d128_causal", "padded", 8, 32, 8, 4096, 128, True,
+         seq_lens=_padded_lengths(8, 4096)),
     Case("tiny_b1_h2_s128_d64_causal", "dense", 1, 2, 2, 128, 64, True, host=True),
+    Case("step_tinygqa_b2_s128", "step", 2, 4, 2, 128, 64, True, host=True, layers=2),
 )
 QUICK_CASES = ("b16_h16_s1024_d64_causal", "varlen_n16_h16_d128_causal", "tiny_b1_h2_s128_d64_causal")
 
@@ -182,15 +221,19 @@ def check_settings(repeats: int, warmup: int, host_calls: int) -> Preset:
     return Preset(repeats, warmup, host_calls)
 
 
-def fwd_flops(case: Case) -> float:
-    """Forward flops: 4*H_q*D per (query, key) pair (QK^T and PV), half the pairs when causal."""
-    pairs = sum(n * n for n in case.seq_lens) if case.kind == "varlen" else case.batch * case.seq * case.seq
+def fwd_flops(case: Case) -> float | None:
+    """Forward flops: 4*H_q*D per (query, key) pair (QK^T and PV), half the pairs when causal;
+    None for step cases."""
+    if case.kind == "step":
+        return None
+    pairs = sum(n * n for n in case.seq_lens) if case.seq_lens else case.batch * case.seq * case.seq
     total = 4 * case.h_q * pairs * case.head_dim
     return float(total // 2 if case.causal else total)
 
 
-def flops(case: Case, mode: str) -> float:
-    return fwd_flops(case) * (BWD_FACTOR if mode == "fwd_bwd" else 1.0)
+def flops(case: Case, mode: str) -> float | None:
+    f = fwd_flops(case)
+    return None if f is None else f * (BWD_FACTOR if mode == "fwd_bwd" else 1.0)
 
 
 # ------------------------------------------------------------------------------------ rows (pure)
@@ -220,6 +263,8 @@ class Row:
     repeats: int = 0
     input_sets: int = 0
     calls: int = 0
+    replays: int = 0
+    expected: int | None = None
     served: int | None = None
     fallbacks: int | None = None
     fallback_reasons: dict = field(default_factory=dict)
@@ -237,11 +282,13 @@ class Measurement:
     skip: str | None = None  # why the path did not run
     error: bool = False  # the skip is an unexpected exception, not PyTorch declining the path
     calls: int = 0
+    replays: int = 0  # calls that replayed a CUDA graph (no Python, so no provider call)
     served: int = 0
     fallback: dict = field(default_factory=dict)
     peak_mib: float | None = None
     host_us: float | None = None
     step: Callable | None = None
+    keep: object = None  # what the step needs alive (a captured CUDA graph)
 
 
 def _quantile(ordered: list, q: float) -> float:
@@ -250,36 +297,47 @@ def _quantile(ordered: list, q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _provider_status(row: Row, mode: str) -> tuple[str, str]:
-    expected = row.calls * (2 if mode == "fwd_bwd" else 1)  # a forward and a backward per call
+def expected_calls(case: Case, mode: str, python_calls: int) -> int:
+    """Attention calls the counters must show for ``python_calls`` steps run through Python."""
+    return python_calls * case.layers * (2 if mode == "fwd_bwd" else 1)  # a forward and a backward each
+
+
+def _provider_status(row: Row) -> tuple[str, str]:
     if row.fallbacks:
         reasons = ", ".join(f"{r}={n}" for r, n in sorted(row.fallback_reasons.items()))
-        return "fallback", f"{row.fallbacks} of {expected} provider calls fell back ({reasons})"
-    if row.served != expected:
-        return "unserved", f"{row.served} of {expected} calls reached the provider"
+        return "fallback", f"{row.fallbacks} of {row.expected} provider calls fell back ({reasons})"
+    if row.served != row.expected:
+        return "unserved", f"{row.served} of {row.expected} calls reached the provider"
     return "ok", ""
 
 
 def summarize(case: Case, mode: str, m: Measurement, inputs_mib: float, input_sets: int) -> Row:
     """A Row from one path's measurement (pure)."""
     row = Row(case.name, case.kind, mode, m.path, case.seq, case.causal, inputs_mib=inputs_mib,
-              input_sets=input_sets, calls=m.calls)
+              input_sets=input_sets, calls=m.calls, replays=m.replays)
     if m.skip is not None:
         row.status, row.reason = ("error" if m.error else "skipped"), m.skip
         return row
     ordered = sorted(m.times_ms)
     row.median_ms, row.p20_ms, row.p80_ms = statistics.median(ordered), _quantile(ordered, 0.2), _quantile(ordered, 0.8)
-    row.tflops = flops(case, mode) / (row.median_ms * 1e-3) / 1e12
+    work = flops(case, mode)
+    row.tflops = None if work is None else work / (row.median_ms * 1e-3) / 1e12
     row.repeats, row.peak_mib, row.host_us = len(ordered), m.peak_mib, m.host_us
-    if m.path == "provider":
+    if m.path.startswith("provider"):
+        row.expected = expected_calls(case, mode, m.calls - m.replays)
         row.served, row.fallbacks, row.fallback_reasons = m.served, sum(m.fallback.values()), dict(m.fallback)
-        row.status, row.reason = _provider_status(row, mode)
+        row.status, row.reason = _provider_status(row)
     return row
 
 
 def add_ratios(rows: list[Row]) -> list[Row]:
     """Fill ``vs_native`` / ``host_vs_native`` against each (case, mode)'s baseline row."""
-    base = {(r.case, r.mode): r for r in rows if r.path == BASELINE[r.kind] and r.median_ms}
+    base = {}
+    for r in rows:
+        if r.path in BASELINE[r.kind] and r.median_ms:
+            key, prev = (r.case, r.mode), base.get((r.case, r.mode))
+            if prev is None or BASELINE[r.kind].index(r.path) < BASELINE[r.kind].index(prev.path):
+                base[key] = r
     for r in rows:
         b = base.get((r.case, r.mode))
         if b is not None and r.median_ms:
@@ -293,12 +351,27 @@ def add_ratios(rows: list[Row]) -> list[Row]:
 
 
 class _Set:
-    """One input set: q, k, v, grad_out (requiring grad) and detached views for the fwd mode."""
+    """One input set: q, k, v, grad_out (requiring grad) and detached views for the fwd mode;
+    ``cu`` (varlen prefix sums), ``lens`` and ``mask`` (padded: real lengths, and the boolean
+    padding+causal mask the native paths get)."""
 
-    def __init__(self, q, k, v, g, cu):
+    def __init__(self, q, k, v, g, cu=None, lens=None, mask=None):
         self.q, self.k, self.v = (t.requires_grad_() for t in (q, k, v))
         self.qd, self.kd, self.vd = q.detach(), k.detach(), v.detach()
-        self.g, self.cu = g, cu
+        self.g, self.cu, self.lens, self.mask = g, cu, lens, mask
+
+
+class _StepSet:
+    """A step case's input: a bf16 ``demo.TinyGQA`` and one batch of tokens."""
+
+    def __init__(self, case: Case, gen: torch.Generator):
+        from .demo import TinyGQA
+
+        torch.manual_seed(zlib.crc32(case.name.encode()))
+        dim = case.h_q * case.head_dim
+        self.model = TinyGQA(dim=dim, heads=case.h_q, kv_heads=case.h_kv, layers=case.layers)
+        self.model = self.model.to(device="cuda", dtype=torch.bfloat16)
+        self.tokens = torch.randint(0, 256, (case.batch, case.seq + 1), generator=gen, device="cuda")
 
 
 def _shapes(case: Case) -> tuple[tuple, tuple]:
@@ -311,21 +384,37 @@ def _shapes(case: Case) -> tuple[tuple, tuple]:
 def _set_bytes(case: Case, mode: str = "fwd_bwd") -> int:
     sq, skv = _shapes(case)
     elems = math.prod(sq) * (2 if mode == "fwd_bwd" else 1) + 2 * math.prod(skv)
-    return 2 * elems  # bf16
+    mask = case.batch * case.seq * case.seq if case.kind == "padded" else 0  # bool, 1 byte
+    return 2 * elems + mask  # bf16
 
 
-def _make_sets(case: Case) -> list[_Set]:
+def _padding_mask(lens: torch.Tensor, s: int, causal: bool) -> torch.Tensor:
+    """(B, 1, S, S) bool: key j visible to query i iff j < length (and j <= i when causal), the mask
+    a Hugging Face model builds for a right-padded batch."""
+    j = torch.arange(s, device=lens.device)
+    mask = (j < lens[:, None])[:, None, None, :]
+    if causal:
+        mask = mask & (j[None, :] <= j[:, None])
+    return mask.expand(len(lens), 1, s, s).contiguous()
+
+
+def _make_sets(case: Case) -> list:
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.name.encode()))  # fresh per case, reproducible
+    if case.kind == "step":
+        return [_StepSet(case, gen)]
     sq, skv = _shapes(case)
-    cu = None
+    extra = {}
     if case.kind == "varlen":
-        cu = torch.tensor([0, *itertools.accumulate(case.seq_lens)], dtype=torch.int32, device="cuda")
+        extra["cu"] = torch.tensor([0, *itertools.accumulate(case.seq_lens)], dtype=torch.int32, device="cuda")
+    if case.kind == "padded":
+        lens = torch.tensor(case.seq_lens, dtype=torch.int32, device="cuda")
+        extra.update(lens=lens, mask=_padding_mask(lens, case.seq, case.causal))
     n = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / _set_bytes(case))))
 
     def rnd(shape):
         return torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
 
-    return [_Set(rnd(sq), rnd(skv), rnd(skv), rnd(sq), cu) for _ in range(n)]
+    return [_Set(rnd(sq), rnd(skv), rnd(skv), rnd(sq), **extra) for _ in range(n)]
 
 
 def _varlen_kwargs(fn, causal: bool) -> dict:
@@ -335,18 +424,31 @@ def _varlen_kwargs(fn, causal: bool) -> dict:
     return {"is_causal": causal}
 
 
-def _attn(case: Case) -> Callable:
+def _attn(case: Case, path: str) -> Callable:
+    sdpa, causal, gqa = F.scaled_dot_product_attention, case.causal, case.gqa
     if case.kind == "varlen":
         from torch.nn.attention.varlen import varlen_attn
 
         kw, m = _varlen_kwargs(varlen_attn, case.causal), case.seq
         return lambda s, q, k, v: varlen_attn(q, k, v, s.cu, s.cu, m, m, **kw)
-    sdpa, causal, gqa = F.scaled_dot_product_attention, case.causal, case.gqa
+    if case.kind == "padded" and path == "provider":
+        from .functional import attention
+
+        return lambda s, q, k, v: attention(q, k, v, is_causal=causal, seq_lens_q=s.lens, seq_lens_kv=s.lens)
+    if case.kind == "padded":
+        return lambda s, q, k, v: sdpa(q, k, v, attn_mask=s.mask, enable_gqa=gqa)
     return lambda s, q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
-def _step(case: Case, mode: str) -> Callable:
-    attn = _attn(case)
+def _train_step(s: _StepSet) -> None:
+    logits = s.model(s.tokens[:, :-1])
+    F.cross_entropy(logits.float().flatten(0, 1), s.tokens[:, 1:].flatten()).backward()  # grads accumulate
+
+
+def _step(case: Case, mode: str, path: str) -> Callable:
+    if case.kind == "step":
+        return _train_step
+    attn = _attn(case, path)
     if mode == "fwd":
         return lambda s: attn(s, s.qd, s.kd, s.vd)
 
@@ -354,6 +456,23 @@ def _step(case: Case, mode: str) -> Callable:
         torch.autograd.grad(attn(s, s.q, s.k, s.v), (s.q, s.k, s.v), s.g)
 
     return fwd_bwd
+
+
+def _capture(m: Measurement, s: _StepSet) -> None:
+    """Warm-up steps on a side stream (builds every cuDNN graph), then one step captured in a CUDA
+    graph; ``m.step`` replays it. Counts the Python-run steps in ``m.calls``."""
+    eager = m.step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP_STEPS):
+            eager(s)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager(s)
+    m.calls += GRAPH_WARMUP_STEPS + 1
+    m.keep, m.step = graph, lambda _s: graph.replay()
 
 
 @contextlib.contextmanager
@@ -370,7 +489,7 @@ def _provider_scope(m: Measurement):
 
 
 def _scope(m: Measurement):
-    if m.path == "provider":
+    if m.path.startswith("provider"):
         return _provider_scope(m)
     if m.path in _BACKENDS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -402,13 +521,16 @@ def _probe(m: Measurement, case: Case, mode: str, sets: list) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # PyTorch explains "No available kernel" in warnings
-            m.step = _step(case, mode)
+            m.step = _step(case, mode, m.path)
             with _scope(m):
-                m.step(sets[0])
-                m.calls += 1
+                if m.path == "provider_graphed":
+                    _capture(m, sets[0])
+                else:
+                    m.step(sets[0])
+                    m.calls += 1
             torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - recorded in the row
-        m.skip, m.error = _why(exc, caught), m.path == "provider"  # the provider must never raise
+        m.skip, m.error = _why(exc, caught), m.path.startswith("provider")  # the provider must never raise
 
 
 def _event_times(step: Callable, sets: list, n: int, warmup: int) -> list[float]:
@@ -444,17 +566,23 @@ def _host_us(step: Callable, sets: list, n: int) -> float:
     return (perf_counter() - t0) / n * 1e6
 
 
+def _count(m: Measurement, n: int) -> None:
+    m.calls += n
+    if m.keep is not None:  # a captured graph: these calls were replays
+        m.replays += n
+
+
 def _timed(m: Measurement, sets: list, n: int, warmup: int) -> None:
     m.times_ms += _event_times(m.step, sets, n, warmup)
-    m.calls += n + warmup
+    _count(m, n + warmup)
 
 
 def _extras(m: Measurement, sets: list, case: Case, host_calls: int) -> None:
     m.peak_mib = _peak_mib(m.step, sets[0])
-    m.calls += 1
+    _count(m, 1)
     if case.host:
         m.host_us = _host_us(m.step, sets, host_calls)
-        m.calls += host_calls
+        _count(m, host_calls)
 
 
 def _bench_mode(case: Case, mode: str, sets: list, cfg: Preset, tick: Callable) -> list[Measurement]:
@@ -478,7 +606,7 @@ def _bench_case(case: Case, modes: tuple, cfg: Preset, tick: Callable) -> list[R
     sets = _make_sets(case)
     try:
         rows = []
-        for mode in modes:
+        for mode in (m for m in modes if m in case.modes):
             mib = _set_bytes(case, mode) / 2**20
             rows += [summarize(case, mode, m, mib, len(sets)) for m in _bench_mode(case, mode, sets, cfg, tick)]
         return rows
@@ -501,7 +629,7 @@ def run(matrix: Iterable | None = None, modes: Iterable[str] = MODES, repeats: i
     """Time every (case, mode, path); ``progress(done, total, label)`` is called after each path."""
     cases, modes, cfg = select(matrix), check_modes(modes), check_settings(repeats, warmup, host_calls)
     _require_gpu()
-    total, done = sum(len(c.paths) for c in cases) * len(modes), 0
+    total, done = sum(len(c.paths) * len([m for m in modes if m in c.modes]) for c in cases), 0
 
     def tick(label: str) -> None:
         nonlocal done
@@ -555,7 +683,7 @@ def _num(x, fmt: str) -> str:
 
 def _cells(r: Row) -> tuple:
     spread = "-" if r.p20_ms is None else f"{r.p20_ms:.3f}-{r.p80_ms:.3f}"
-    served = "-" if r.served is None else f"{r.served}/{r.calls * (2 if r.mode == 'fwd_bwd' else 1)}"
+    served = "-" if r.served is None else f"{r.served}/{r.expected}"
     note = "" if r.status == "ok" else f"{r.status.upper()}: {r.reason}"
     note = note if len(note) <= 120 else note[:117] + "..."  # the JSON has the full reason
     return (r.case, r.mode, r.path, _num(r.median_ms, ".3f"), spread, _num(r.tflops, ".1f"),
@@ -591,7 +719,8 @@ def require_matplotlib():
 
 
 _SERIES = (("dense", False, "o", ""), ("dense", True, "^", " causal"), ("varlen", False, "D", " varlen"),
-           ("varlen", True, "s", " varlen causal"))  # (kind, causal, marker, label suffix)
+           ("varlen", True, "s", " varlen causal"), ("padded", True, "v", " padded causal"))
+# (kind, causal, marker, label suffix); step cases have no TFLOP/s
 
 
 def plot(rows: list[Row], path: str) -> None:

@@ -26,11 +26,13 @@ def by_name(name: str) -> Case:
 def test_matrix_names_unique_and_well_formed():
     names = [c.name for c in bench.MATRIX]
     assert len(names) == len(set(names))
+    paths = {"dense": bench.DENSE_PATHS, "varlen": bench.VARLEN_PATHS, "padded": bench.PADDED_PATHS,
+             "step": bench.STEP_PATHS}
     for c in bench.MATRIX:
-        assert c.kind in ("dense", "varlen")
         assert c.h_q % c.h_kv == 0
-        assert c.paths == (bench.DENSE_PATHS if c.kind == "dense" else bench.VARLEN_PATHS)
-        assert bench.BASELINE[c.kind] in c.paths and "provider" in c.paths
+        assert c.paths == paths[c.kind]
+        assert set(bench.BASELINE[c.kind]) <= set(c.paths) and "provider" in c.paths
+        assert c.modes == (("fwd_bwd",) if c.kind == "step" else bench.MODES)
         assert c.describe()
     assert set(bench.QUICK_CASES) <= set(names)
 
@@ -39,15 +41,38 @@ def test_matrix_has_the_documented_cases():
     dense = {(c.batch, c.h_q, c.seq, c.head_dim, c.causal) for c in bench.MATRIX if c.kind == "dense" and not c.gqa}
     for b, h, s, d in FACTS_DENSE:
         assert (b, h, s, d, False) in dense and (b, h, s, d, True) in dense
-    gqa = [c for c in bench.MATRIX if c.gqa]
+    gqa = [c for c in bench.MATRIX if c.gqa and c.kind == "dense"]
     assert [(c.batch, c.h_q, c.h_kv, c.seq, c.head_dim, c.causal) for c in gqa] == [(1, 32, 8, 16384, 128, True)]
-    host = [c for c in bench.MATRIX if c.host]
+    host = [c for c in bench.MATRIX if c.host and c.kind == "dense"]
     assert [(c.batch, c.h_q, c.seq, c.head_dim, c.causal) for c in host] == [(1, 2, 128, 64, True)]
+    (step,) = [c for c in bench.MATRIX if c.kind == "step"]
+    assert step.host and step.layers == 2 and step.gqa
     (varlen,) = [c for c in bench.MATRIX if c.kind == "varlen"]
     assert len(varlen.seq_lens) == 16 == varlen.batch
     assert all(128 <= n <= 4096 for n in varlen.seq_lens)
     assert varlen.seq == max(varlen.seq_lens) and varlen.causal and (varlen.h_q, varlen.head_dim) == (16, 128)
     assert varlen.seq_lens == bench._varlen_lengths()  # a fixed seed: the same mix every run
+    (padded,) = [c for c in bench.MATRIX if c.kind == "padded"]  # Performance issue, target 4(a)
+    assert (padded.h_q, padded.h_kv, padded.seq, padded.head_dim, padded.causal) == (32, 8, 4096, 128, True)
+    assert len(padded.seq_lens) == padded.batch and max(padded.seq_lens) == padded.seq
+
+
+def test_padded_lengths_average_a_quarter_padding():
+    lens = bench._padded_lengths(8, 4096)
+    assert lens[0] == 4096 and lens[-1] == 2048 and list(lens) == sorted(lens, reverse=True)
+    assert 1 - sum(lens) / (8 * 4096) == pytest.approx(0.25, abs=1e-3)
+    assert "25% padding" in by_name("padded_b8_h32kv8_s4096_d128_causal").describe()
+
+
+def test_padding_mask_is_key_padding_and_causal():
+    lens = torch.tensor([3, 1], dtype=torch.int32)
+    mask = bench._padding_mask(lens, 4, causal=True)
+    assert mask.shape == (2, 1, 4, 4) and mask.dtype == torch.bool and mask.is_contiguous()
+    for b, n in enumerate((3, 1)):
+        for i in range(4):
+            for j in range(4):
+                assert bool(mask[b, 0, i, j]) == (j < n and j <= i), (b, i, j)
+    assert bench._padding_mask(lens, 4, causal=False)[0, 0].tolist() == [[True, True, True, False]] * 4
 
 
 def test_select_and_validation_errors_name_the_choices():
@@ -94,6 +119,15 @@ def test_varlen_flops_sum_over_sequences():
     assert bench.fwd_flops(full) == 8_960_000
 
 
+def test_padded_flops_count_real_lengths_and_step_has_none():
+    c = Case("p", "padded", 3, 2, 1, 300, 8, True, seq_lens=(100, 300, 200))
+    assert bench.fwd_flops(c) == 4_480_000  # the work on real tokens, as for varlen
+    step = by_name("step_tinygqa_b2_s128")
+    assert bench.fwd_flops(step) is None and bench.flops(step, "fwd_bwd") is None
+    row = bench.summarize(step, "fwd_bwd", Measurement("native", times_ms=[1.0]), 0.0, 1)
+    assert row.status == "ok" and row.tflops is None and row.median_ms == 1.0
+
+
 # ---------------------------------------------------------------------------- rows (pure data)
 
 
@@ -121,6 +155,19 @@ def test_summarize_provider_rows_never_claim_fallback_calls():
     assert fell.status == "fallback" and "3 of 20" in fell.reason and "graph_not_supported=3" in fell.reason
     missing = bench.summarize(c, "fwd", _measured("provider", [1.0], calls=10, served=4), 0.1, 8)
     assert missing.status == "unserved" and "4 of 10" in missing.reason
+
+
+def test_summarize_graphed_rows_expect_calls_only_from_python_steps():
+    step = by_name("step_tinygqa_b2_s128")  # 2 attention layers per step
+    # 4 steps through Python (3 warm-up + capture) and 40 replays: 4 x 2 layers x (fwd + bwd) = 16
+    ok = bench.summarize(step, "fwd_bwd", _measured("provider_graphed", [0.1], calls=44, replays=40, served=16),
+                         0.0, 1)
+    assert (ok.status, ok.expected, ok.replays) == ("ok", 16, 40)
+    short = bench.summarize(step, "fwd_bwd", _measured("provider_graphed", [0.1], calls=44, replays=40, served=8),
+                            0.0, 1)
+    assert short.status == "unserved" and "8 of 16" in short.reason
+    eager = bench.summarize(step, "fwd_bwd", _measured("provider", [0.1], calls=10, served=40), 0.0, 1)
+    assert eager.status == "ok" and eager.expected == 40
 
 
 def test_summarize_skipped_and_error_rows_have_no_numbers():
@@ -154,12 +201,22 @@ def test_add_ratios_against_the_native_baseline():
     assert rows[4].host_vs_native == 0.5 and rows[5].host_vs_native == 1.0 and rows[0].host_vs_native is None
 
 
+def test_add_ratios_padded_prefers_native_cudnn_then_native():
+    case = "padded_b8_h32kv8_s4096_d128_causal"
+    both = bench.add_ratios([_row(case=case, path="provider", ms=1.0), _row(case=case, path="native", ms=4.0),
+                             _row(case=case, path="native_cudnn", ms=2.0)])
+    assert [r.vs_native for r in both] == [2.0, 0.5, 1.0]
+    declined = bench.add_ratios([_row(case=case, path="provider", ms=1.0), _row(case=case, path="native", ms=4.0),
+                                 _row(case=case, path="native_cudnn", ms=None, status="skipped", reason="no")])
+    assert [r.vs_native for r in declined] == [4.0, 1.0, None]
+
+
 def test_format_table_shows_numbers_reasons_and_groups_cases():
     rows = bench.add_ratios([
-        _row(path="provider", ms=1.0, served=40, fallbacks=0, calls=40),
+        _row(path="provider", ms=1.0, served=40, fallbacks=0, calls=40, expected=40),
         _row(path="native_cudnn", ms=2.0),
         _row(path="efficient", ms=None, status="skipped", reason="RuntimeError: No available kernel"),
-        _row(case="tiny_b1_h2_s128_d64_causal", path="provider", ms=0.1, host_us=80.0, calls=10, served=7,
+        _row(case="tiny_b1_h2_s128_d64_causal", path="provider", ms=0.1, host_us=80.0, calls=10, served=7, expected=10,
              fallbacks=3, status="fallback", reason="3 of 10 provider calls fell back (dtype=3)"),
     ])
     text = bench.format_table(rows)

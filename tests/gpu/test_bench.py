@@ -30,3 +30,24 @@ def test_quick_tiny_run_rows_served_and_timed():
     for r in rows:
         assert r.status in ("ok", "skipped"), r  # flash / efficient run this shape on Hopper, or say why not
     assert bench.format_table(rows)
+
+
+def test_padded_and_graphed_step_cases_run_served():
+    padded = bench.Case("padded_small", "padded", 2, 8, 2, 512, 64, True, seq_lens=bench._padded_lengths(2, 512))
+    step = bench.select(["step_tinygqa_b2_s128"])[0]
+    rows = bench.run([padded, step], repeats=3, warmup=1, host_calls=5)
+    by = {(r.case, r.mode, r.path): r for r in rows}
+    assert len(rows) == len(bench.PADDED_PATHS) * 2 + len(bench.STEP_PATHS)  # step cases: fwd_bwd only
+    for mode in bench.MODES:
+        for path in ("provider", "provider_bias"):  # lengths, and the mask as a cuDNN bias
+            r = by[("padded_small", mode, path)]
+            assert r.status == "ok" and r.fallbacks == 0 and r.served == r.expected > 0, r
+    for path in bench.STEP_PATHS:
+        r = by[(step.name, "fwd_bwd", path)]
+        assert r.status == "ok" and r.host_us > 0 and r.tflops is None, r
+    graphed = by[(step.name, "fwd_bwd", "provider_graphed")]
+    python_steps = bench.GRAPH_WARMUP_STEPS + 1
+    assert graphed.expected == python_steps * step.layers * 2 == graphed.served, graphed
+    assert graphed.replays == graphed.calls - python_steps > 0, graphed
+    for r in rows:
+        assert r.status in ("ok", "skipped"), r
