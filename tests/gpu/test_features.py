@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, engine, reference
+from cudnn_sdpa_provider import bench, counters, engine, reference
 from tests.util import TOL, assert_rel_close, grad_tol, make_dense
 
 pytestmark = pytest.mark.gpu
@@ -60,6 +60,33 @@ def test_masks_served_and_equal_to_native(name):
     assert_rel_close(out, native, TOL[torch.bfloat16], "out vs native (fully masked rows included)")
     for n, g, ng in zip("qkv", grads, native_grads):
         assert_rel_close(g, ng, grad_tol(torch.bfloat16), f"d{n} vs native")
+
+
+def test_padding_as_lengths_equals_the_padding_mask_on_real_positions():
+    """Issue 1 / Performance 4(a): a right-padded causal batch served through per-sequence lengths
+    gives what the S x S padding mask gives on real tokens (fp32 reference); padded query rows are 0.
+    dO is 0 on padded rows, as a loss that ignores padding makes it."""
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    b, h_q, h_kv, s, d = 4, 8, 2, 256, 128
+    lens = torch.tensor([256, 200, 129, 64], dtype=torch.int32, device=DEV)
+    q, k, v = make_dense(b, h_q, h_kv, h_kv, s, s, d, d, torch.bfloat16, DEV, gen=gen)
+    real = (torch.arange(s, device=DEV)[None, :] < lens[:, None])[:, None, :, None]  # (B, 1, S, 1)
+    go = torch.randn(b, h_q, s, d, device=DEV, generator=gen, dtype=torch.bfloat16) * real
+    mask = bench._padding_mask(lens, s, causal=True)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, ref_grads = _fwd_bwd(lambda: F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=True),
+                              qf, kf, vf, go.float())
+    before = counters.stats()
+    out, grads = _fwd_bwd(lambda: csp.attention(q, k, v, is_causal=True, seq_lens_q=lens, seq_lens_kv=lens),
+                          q, k, v, go)
+    delta = (counters.stats() - before).to_dict()
+    assert delta["dense_fwd"] == {"served": 1, "fallback": {}}, delta
+    assert delta["dense_bwd"] == {"served": 1, "fallback": {}}, delta
+    assert_rel_close(out * real, ref * real, TOL[torch.bfloat16], "out on real rows")
+    assert torch.count_nonzero(out * ~real) == 0, "padded query rows must be 0"
+    group = h_q // h_kv
+    for n, g, rg in zip("qkv", grads, ref_grads):
+        assert_rel_close(g, rg, grad_tol(torch.bfloat16, 1 if n == "q" else group), f"d{n}")
 
 
 @pytest.mark.parametrize("p", [0.25, 0.1])
