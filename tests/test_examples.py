@@ -1,7 +1,8 @@
-"""The examples run (CPU tier): each in a fresh interpreter, as a user would run it.
+"""The examples run: each in a fresh interpreter, as a user would run it.
 
-On a machine without CUDA every attention call falls back with reason ``no_cuda``; the examples
-must say so and exit 0. The unmodified script is run under the environment-variable opt-in with
+CPU tier: on a machine without CUDA every attention call falls back with reason ``no_cuda``; the
+examples must say so and exit 0. GPU tier (``--gpu``): every attention call an example reports
+must be served by a cuDNN graph, with no fallback. The unmodified script is run under the environment-variable opt-in with
 the startup hook processed from a temporary site directory (``.pth`` files are only read there).
 """
 
@@ -50,7 +51,18 @@ CASES = {
     "varlen_packing.py": ["csp.attention packed: lengths [5, 12, 3, 9] -> out (29, 4, 64), lse (29, 4) (T, H)",
                           "max |out - per-sequence F.sdpa|", "varlen_fwd"],
     "sinks.py": ["out (2, 8, 256, 64)", "sinks.grad: [", "dense_bwd"],
+    "hf_model.py": ["llama, lengths [64, 40, 17]", "attention calls: 4,", "dense_bwd"],
 }
+
+
+def _report_rows(stdout: str) -> list[tuple[str, int, int]]:
+    """(path, served, fallbacks) of every telemetry table (``csp.report``) an example printed."""
+    rows = []
+    for line in stdout.splitlines():
+        cells = line.split()
+        if len(cells) >= 3 and cells[0] in PATHS and cells[1].isdigit() and cells[2].isdigit():
+            rows.append((cells[0], int(cells[1]), int(cells[2])))
+    return rows
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -60,6 +72,28 @@ def test_example_runs(name, tmp_path):
         assert line in result.stdout, f"{line!r} not in the output of {name}:\n{result.stdout}"
     if _no_cuda():
         assert "no_cuda=" in result.stdout, result.stdout  # fallbacks are reported, not hidden
+    assert _report_rows(result.stdout), f"no telemetry table in the output of {name}:\n{result.stdout}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_served_on_gpu(name, tmp_path):
+    result = _run([str(EXAMPLES / name)], cwd=tmp_path)
+    for line in CASES[name]:
+        assert line in result.stdout, f"{line!r} not in the output of {name}:\n{result.stdout}"
+    rows = _report_rows(result.stdout)
+    assert sum(served for _, served, _ in rows) > 0, result.stdout
+    assert all(fallbacks == 0 for _, _, fallbacks in rows), f"{name} fell back:\n{result.stdout}"
+    if name == "hf_model.py":  # the served loss agrees with transformers' own sdpa (bf16)
+        diff = float(result.stdout.split("|diff| ")[1].split()[0])
+        assert diff < 2e-2, result.stdout
+
+
+def test_hf_example_loss_equals_sdpa_on_cpu(tmp_path):
+    if not _no_cuda():
+        pytest.skip("on CUDA the GPU-tier test checks it in bf16")
+    result = _run([str(EXAMPLES / "hf_model.py")], cwd=tmp_path)
+    assert float(result.stdout.split("|diff| ")[1].split()[0]) < 1e-5, result.stdout
 
 
 def test_varlen_example_says_why_it_skips_on_cpu(tmp_path):
@@ -93,7 +127,19 @@ def test_unmodified_script_under_env_var_writes_report(tmp_path):
     result = _run_with_startup_hook(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(report))
     assert "step 1: loss" in result.stdout, result.stdout
     assert "startup hook skipped" not in result.stderr and "not enabled" not in result.stderr, result.stderr
-    data = json.loads(report.read_text())
+    _check_unmodified_report(json.loads(report.read_text()))
+
+
+@pytest.mark.gpu
+def test_unmodified_script_under_env_var_served_on_gpu(tmp_path):
+    report = tmp_path / "run.json"
+    _run_with_startup_hook(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(report))
+    data = _check_unmodified_report(json.loads(report.read_text()))
+    assert data["dense_fwd"] == {"served": 4, "fallback": {}}, data
+    assert data["dense_bwd"] == {"served": 4, "fallback": {}}, data
+
+
+def _check_unmodified_report(data: dict) -> dict:
     assert set(data) == set(PATHS) | {"meta"}
     assert data["meta"]["enabled"] is True
     calls = data["dense_fwd"]["served"] + sum(data["dense_fwd"]["fallback"].values())
@@ -101,6 +147,7 @@ def test_unmodified_script_under_env_var_writes_report(tmp_path):
     if _no_cuda():
         assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": 4}}, data
         assert data["dense_bwd"] == {"served": 0, "fallback": {"no_cuda": 4}}, data
+    return data
 
 
 def test_unmodified_script_without_opt_in_writes_nothing(tmp_path):
