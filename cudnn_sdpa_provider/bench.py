@@ -85,6 +85,9 @@ _PATHS = {"dense": DENSE_PATHS, "varlen": VARLEN_PATHS, "padded": PADDED_PATHS, 
 #: Each kind's baselines for ``vs_native``, in order of preference (the first one that ran).
 BASELINE = {"dense": ("native_cudnn",), "varlen": ("native_varlen",), "padded": ("native_cudnn", "native"),
             "step": ("native",)}
+#: Extra paths for dense and varlen cases, {name: () -> context manager}, set for one ``run(peers=...)``
+#: (scripts/bench_peer.py times nvidia's ``cudnn.torch`` this way; the package never imports it).
+_PEERS: dict = {}
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before capture: every cuDNN graph is built by then
 BWD_FACTOR = 3.5  # fwd+bwd = 3.5x forward flops (FACTS.md section 2: 2 matmuls forward, 5 backward)
 ROTATE_BYTES = 256 << 20  # input sets rotate until they span this much: > 5x the 50 MB L2 of an H100/H200
@@ -488,7 +491,13 @@ def _provider_scope(m: Measurement):
                 m.fallback[reason] = m.fallback.get(reason, 0) + n
 
 
+def _paths(case: Case) -> tuple[str, ...]:
+    return case.paths + (tuple(_PEERS) if case.kind in ("dense", "varlen") else ())
+
+
 def _scope(m: Measurement):
+    if m.path in _PEERS:
+        return _PEERS[m.path]()
     if m.path.startswith("provider"):
         return _provider_scope(m)
     if m.path in _BACKENDS:
@@ -586,7 +595,7 @@ def _extras(m: Measurement, sets: list, case: Case, host_calls: int) -> None:
 
 
 def _bench_mode(case: Case, mode: str, sets: list, cfg: Preset, tick: Callable) -> list[Measurement]:
-    ms = [Measurement(p) for p in case.paths]
+    ms = [Measurement(p) for p in _paths(case)]
     for m in ms:
         _probe(m, case, mode, sets)
     live = [m for m in ms if m.skip is None]
@@ -625,11 +634,26 @@ def _require_gpu() -> None:
 
 def run(matrix: Iterable | None = None, modes: Iterable[str] = MODES, repeats: int = DEFAULT.repeats,
         warmup: int = DEFAULT.warmup, host_calls: int = DEFAULT.host_calls,
-        progress: Callable[[int, int, str], None] | None = None) -> list[Row]:
-    """Time every (case, mode, path); ``progress(done, total, label)`` is called after each path."""
+        progress: Callable[[int, int, str], None] | None = None, peers: dict | None = None) -> list[Row]:
+    """Time every (case, mode, path); ``progress(done, total, label)`` is called after each path.
+    ``peers`` adds paths to the dense and varlen cases: {name: a function returning the context
+    manager inside which F.sdpa / varlen_attn run that path}."""
     cases, modes, cfg = select(matrix), check_modes(modes), check_settings(repeats, warmup, host_calls)
+    peers = dict(peers or {})
+    for name in peers:
+        if not isinstance(name, str) or name.startswith("provider") or any(name in p for p in _PATHS.values()):
+            raise ValueError(f"peer path name {name!r} must be a new name (not a built-in path, not 'provider*')")
     _require_gpu()
-    total, done = sum(len(c.paths) * len([m for m in modes if m in c.modes]) for c in cases), 0
+    _PEERS.clear()
+    _PEERS.update(peers)
+    try:
+        return _run_cases(cases, modes, cfg, progress)
+    finally:
+        _PEERS.clear()
+
+
+def _run_cases(cases: list, modes: tuple, cfg: Preset, progress: Callable | None) -> list[Row]:
+    total, done = sum(len(_paths(c)) * len([m for m in modes if m in c.modes]) for c in cases), 0
 
     def tick(label: str) -> None:
         nonlocal done

@@ -184,7 +184,7 @@ def _plot_problem(path: str | None, bench) -> str | None:
     return None
 
 
-def _cmd_bench(args) -> int:
+def _cmd_bench(args, peers: dict | None = None) -> int:
     from . import bench
 
     if args.list:
@@ -207,7 +207,7 @@ def _cmd_bench(args) -> int:
         return EXIT_NO_CUDA
     try:
         rows = bench.run(cases, modes=modes, repeats=settings.repeats, warmup=settings.warmup,
-                         host_calls=settings.host_calls, progress=_progress())
+                         host_calls=settings.host_calls, progress=_progress(), peers=peers)
     except bench.BenchError as exc:
         print(f"cudnn-sdpa bench: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -228,12 +228,15 @@ def _cmd_bench(args) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, bench_peers: dict | None = None) -> int:
+    """The CLI. ``bench_peers`` adds paths to ``bench`` (see ``bench.run``; scripts/bench_peer.py)."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
+    if args.command == "bench":
+        return _cmd_bench(args, peers=bench_peers)
     handler = {"run": _cmd_run, "demo": _cmd_demo, "doctor": _cmd_doctor, "bench": _cmd_bench}[args.command]
     return handler(args)
 

@@ -337,7 +337,7 @@ def test_bench_cli_writes_table_and_json(monkeypatch, capsys, tmp_path):
     argv = ["bench", "--quick", "--modes", "fwd", "--repeats", "7", "--json", str(out)]
     assert cli.main(argv) == cli.EXIT_OK
     (names, kw), = calls
-    assert names == list(bench.QUICK_CASES) and callable(kw.pop("progress"))
+    assert names == list(bench.QUICK_CASES) and callable(kw.pop("progress")) and kw.pop("peers") is None
     assert kw == dict(modes=("fwd",), repeats=7, warmup=bench.QUICK.warmup, host_calls=bench.QUICK.host_calls)
     captured = capsys.readouterr()
     assert captured.out.strip() == bench.format_table(rows)
@@ -389,3 +389,21 @@ def test_progress_writes_lines_when_not_a_tty():
     show(1, 2, "one")
     show(2, 2, "two")
     assert stream.getvalue().splitlines() == [cli._progress_line(1, 2, "one"), cli._progress_line(2, 2, "two")]
+
+
+def test_peer_paths_are_checked_before_anything_runs(monkeypatch):
+    for bad in ("provider_x", "native_cudnn", "flash"):
+        with pytest.raises(ValueError, match="peer path name"):
+            bench.run(["tiny_b1_h2_s128_d64_causal"], peers={bad: None})
+    monkeypatch.setattr(bench, "_PEERS", {"nvidia_x": None})
+    assert bench._paths(by_name("tiny_b1_h2_s128_d64_causal"))[-1] == "nvidia_x"
+    assert "nvidia_x" not in bench._paths(by_name("padded_b8_h32kv8_s4096_d128_causal"))  # masks go to C++ there
+    assert "nvidia_x" not in bench._paths(by_name("step_tinygqa_b2_s128"))
+
+
+def test_peer_script_lists_cases_without_cuda():
+    import subprocess
+
+    script = __import__("pathlib").Path(__file__).resolve().parent.parent / "scripts" / "bench_peer.py"
+    out = subprocess.run([sys.executable, str(script), "--list"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "step_tinygqa_b2_s128" in out.stdout, out
