@@ -185,8 +185,8 @@ def _dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q=None, 
         last_dead = left >= 0 and (s_q - 1) + off - left > s_kv - 1
         if not (first_dead or last_dead):
             return None
-        lq = torch.tensor(s_q, device=device)
-        lk = torch.tensor(s_kv, device=device)
+        lq = torch.full((1, 1), s_q, device=device)  # a fill kernel: torch.tensor would copy (and sync)
+        lk = torch.full((1, 1), s_kv, device=device)
     else:
         lq, lk = seq_len_q.view(-1, 1).long(), seq_len_kv.view(-1, 1).long()
     i = torch.arange(s_q, device=device).view(1, -1)

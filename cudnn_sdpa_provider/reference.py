@@ -22,8 +22,8 @@ def allowed_mask(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q=None
         lq = seq_len_q.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1)
         lk = seq_len_kv.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1)
     else:
-        lq = torch.tensor(s_q, device=device).view(1, 1, 1, 1)
-        lk = torch.tensor(s_kv, device=device).view(1, 1, 1, 1)
+        lq = torch.full((1, 1, 1, 1), s_q, device=device)  # a fill kernel: torch.tensor would copy (and sync)
+        lk = torch.full((1, 1, 1, 1), s_kv, device=device)
     offset = (lk - lq) if bottom_right else torch.zeros_like(lk)
     allowed = (j < lk) & (i < lq)
     if right >= 0:

@@ -3,6 +3,9 @@ tensor's magnitude, failures that name the worst element."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 
 #: Relative (to max|ref|) tolerance per dtype for outputs; gradients get GRAD_FACTOR more.
@@ -57,3 +60,17 @@ def make_dense(b, h_q, h_k, h_v, s_q, s_kv, d_qk, d_v, dtype, device, order="bhs
         return t.detach().requires_grad_(requires_grad)
 
     return one(h_q, s_q, d_qk), one(h_k, s_kv, d_qk), one(h_v, s_kv, d_v)
+
+
+@contextlib.contextmanager
+def no_host_syncs():
+    """Any synchronizing CUDA call inside raises (``torch.cuda.set_sync_debug_mode("error")``);
+    the mode is restored on exit, also when the block fails. PyTorch's once-per-process "prototype
+    feature" warning on entering the mode is not a failure."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype feature")
+            torch.cuda.set_sync_debug_mode("error")
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

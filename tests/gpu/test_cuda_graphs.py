@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import cudnn_sdpa_provider as csp
 from cudnn_sdpa_provider import counters
 from cudnn_sdpa_provider.demo import TinyGQA
-from tests.util import TOL, assert_rel_close
+from tests.util import TOL, assert_rel_close, no_host_syncs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -37,11 +37,8 @@ def _eager(model, tokens):
 
 
 def _no_syncs(fn):
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs():
         return fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_training_step_captured_whole_replays_equal_to_eager():
