@@ -472,7 +472,7 @@ def _capture(m: Measurement, s: _StepSet) -> None:
             eager(s)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # capture where the warm-up ran (autograd nodes keep their stream)
         eager(s)
     m.calls += GRAPH_WARMUP_STEPS + 1
     m.keep, m.step = graph, lambda _s: graph.replay()

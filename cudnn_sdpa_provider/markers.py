@@ -5,8 +5,9 @@ provider returns its own ``philox_seed``/``philox_offset`` pair (one 2-element s
 varlen, its own ``rng_state``. Autograd saves those outputs by storage (``SavedVariable`` keeps
 the StorageImpl), and PyTorch preserves a storage's Python object while the StorageImpl lives, so
 ``id(t.untyped_storage())`` identifies the forward for exactly as long as its backward can run,
-on any thread, whether or not the provider's scope is still open. ``weakref.finalize`` drops the
-record when the storage dies, so an id is never reused while its record exists.
+on any thread, whether or not the provider's scope is still open. A weak reference's callback drops
+the record when the storage dies, so an id is never reused while its record exists (a plain
+``weakref.ref`` kept in the record: cheaper per call than ``weakref.finalize``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 __all__ = ["Record", "mark", "lookup", "pending", "on_empty"]
 
 _lock = threading.Lock()
-_records: dict[int, "Record"] = {}
+_records: dict[int, tuple] = {}  # id(storage) -> (Record, weakref to the storage)
 _listeners: list = []
 
 
@@ -48,15 +49,16 @@ def _forget(key: int) -> None:
 def mark(t: torch.Tensor, record: Record) -> None:
     storage = t.untyped_storage()
     key = id(storage)
+    ref = weakref.ref(storage, lambda _dead, key=key: _forget(key))
     with _lock:
-        _records[key] = record
-    weakref.finalize(storage, _forget, key)
+        _records[key] = (record, ref)
 
 
 def lookup(t: torch.Tensor | None) -> Record | None:
     if t is None:
         return None
-    return _records.get(id(t.untyped_storage()))
+    found = _records.get(id(t.untyped_storage()))
+    return None if found is None else found[0]
 
 
 def pending() -> int:

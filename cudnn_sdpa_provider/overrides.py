@@ -115,15 +115,20 @@ class _Dense:
         try:
             if return_debug_mask:
                 raise NotSupportedError("dropout", "return_debug_mask=True (the dropout debug mask)")
-            # Decide before drawing dropout's Philox pair: a fallback must consume no RNG state,
-            # so PyTorch's kernel then draws exactly what it would have drawn natively.
-            engine.check(engine.dense_problem(query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p),
-                         query.device)
-            # seed and offset are elements 0 and 2: each 16-byte aligned, as inductor asserts of outputs.
-            philox = engine.new_philox(query.device, 4) if dropout_p > 0.0 else None
+            philox = None
+            if dropout_p > 0.0 or attn_bias is not None:
+                # Decide before drawing dropout's Philox pair: a fallback must consume no RNG state,
+                # so PyTorch's kernel then draws exactly what it would have drawn natively.
+                engine.check(engine.dense_problem(query, key, value, window=window, bias=attn_bias,
+                                                  dropout_p=dropout_p), query.device)
+                # seed and offset are elements 0 and 2: each 16-byte aligned, as inductor asserts of outputs.
+                philox = engine.new_philox(query.device, 4) if dropout_p > 0.0 else None
+            # Without bias or dropout the engine checks for itself, and only when its fast path
+            # has not seen this call signature before (a seen one passed the same check).
             out, lse = engine.dense_fwd(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
                                         dropout_p=dropout_p, compute_lse=compute_log_sumexp,
-                                        philox=(philox[0], philox[2]) if philox is not None else None, checked=True)
+                                        philox=(philox[0], philox[2]) if philox is not None else None,
+                                        checked=philox is not None or attn_bias is not None)
         except NotSupportedError as exc:
             inputs = lambda: describe_call(query=query, key=key, value=value, attn_bias=attn_bias,  # noqa: E731
                                            dropout_p=dropout_p, is_causal=is_causal, scale=scale)

@@ -59,7 +59,7 @@ def test_training_step_captured_whole_replays_equal_to_eager():
         model.zero_grad(set_to_none=True)  # the captured backward allocates .grad from the graph's pool
         graph = torch.cuda.CUDAGraph()
         before = counters.stats()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):  # the warm-up's stream: autograd's nodes keep theirs
             static_loss = _loss(model, tokens)
             static_loss.backward()
         captured = (counters.stats() - before).to_dict()

@@ -116,12 +116,28 @@ def _run_case(cfg):
     checks += [("dq", q.grad, leaves[0].grad, grad_budget),
                ("dk", k.grad, leaves[1].grad, grad_budget * math.sqrt(cfg["group"])),
                ("dv", v.grad, leaves[2].grad, grad_budget * math.sqrt(h_q // h_v))]
-    if sinks is not None:
-        checks.append(("dsinks", sinks.grad, sink_leaf.grad, grad_budget))
     for name, got, want, tol in checks:
         assert not torch.isnan(got).any(), f"{name} has NaN ({delta.to_dict()})"
         err, worst = rel_error(got, want)
         assert err <= tol, f"{name}: rel err {err:.2e} > {tol:.2e} at {worst}; telemetry {delta.to_dict()}"
+    if sinks is not None:
+        _check_dsinks(sinks.grad, sink_leaf.grad, ref.detach(), go.float(), sink_leaf.detach(), ref_kw, leaves,
+                      grad_budget, delta)
+
+
+def _check_dsinks(got, want, ref_out, go, sinks, ref_kw, leaves, tol, delta):
+    """dSink[h] = -sum over (b, i) of p_sink * (dO . O): a sum of terms of either sign, so its value can
+    cancel to far below its terms (run 6 of results/gpu-runs.md: 0.013 out of terms summing to ~20 in
+    magnitude), and bf16 rounding of O alone then moves it by more than its own size. Its error is
+    measured against the magnitude of the terms, sum of p_sink * sum_d |dO * O|, per head."""
+    with torch.no_grad():
+        _, lse = reference.dense(*(t.detach() for t in leaves), sinks=sinks, **ref_kw)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        p_sink = torch.exp(sinks.view(1, -1, 1, 1) - safe)
+        scale = (p_sink * (go * ref_out).abs().sum(dim=-1, keepdim=True)).sum(dim=(0, 2, 3))
+    err = ((got.float() - want).abs() / scale.clamp(min=1e-6)).max().item()
+    assert err <= tol, (f"dsinks: |err| / (sum of |terms|) = {err:.2e} > {tol:.2e}: got {got.tolist()}, want "
+                        f"{want.tolist()}, terms {scale.tolist()}; telemetry {delta.to_dict()}")
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False,
@@ -231,10 +247,12 @@ def test_no_host_syncs_in_steady_state():
     # The composite fallback too: S_q == S_kv == 1 backward (reason seq_len_one_backward), and a band
     # window that leaves rows without keys (the dead-row mask is built on the device).
     q1, k1, v1 = (torch.randn(2, 8, 1, 64, device=DEV, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    q2 = torch.randn(2, 8, 64, 64, device=DEV, generator=gen).bfloat16().requires_grad_()
+    k2, v2 = (torch.randn(2, 8, 17, 64, device=DEV, generator=gen).bfloat16().requires_grad_() for _ in range(2))
 
     def step():
         csp.attention(q, k, v, is_causal=True).sum().backward()
-        csp.attention(q, k[:, :, :17], v[:, :, :17], window=(7, 5)).sum().backward()
+        csp.attention(q2, k2, v2, window=(7, 5)).sum().backward()
         csp.attention(qv, kv, vv, is_causal=True, bottom_right=True, cu_seqlens_q=cu, max_seqlen_q=max(lens),
                       max_seqlen_kv=max(lens)).sum().backward()
         csp.attention(q1, k1, v1).sum().backward()
