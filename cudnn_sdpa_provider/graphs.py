@@ -134,7 +134,6 @@ class Plan:
     graph: object
     workspace: int
     name: str
-    ordered: bool | None = None  # graph.execute takes ordered buffers + tensor_uids (frontend 1.31+); None: untried
 
 
 def backend_info() -> tuple[str | None, int | None, str | None]:
@@ -260,25 +259,16 @@ def describe(key) -> str:
 def execute(p: Plan, buffers: dict, device: int, stream: int) -> None:
     """Run ``p`` on ``buffers`` ({UID: tensor}) on the given CUDA stream handle.
 
-    Host cost (docs/performance-notes.md): the handle (this thread's, per device) is re-bound only
-    when the stream changes, and frontends that take ordered buffers (``tensor_uids``, 1.31+) get
-    them, which skips the frontend's mapping normalisation (about 6 us a call on an H100 host)."""
+    The handle (this thread's, per device) is re-bound only when the stream changes (frontend
+    1.32's ``set_stream`` skips an unchanged stream itself; 1.28's does not). The frontend's
+    ordered form (``tensor_uids``, 1.31+) saves ~2.5 us a call but is not used: the GPU fuzz
+    failed with it (run 9 of results/gpu-runs.md; docs/performance-notes.md)."""
     state = _state()
     handle = _handle(device)
     if state["streams"].get(device) != stream:
         cudnn.set_stream(handle=handle, stream=stream)
         state["streams"][device] = stream
     workspace = torch.empty(p.workspace, dtype=torch.uint8, device=torch.device("cuda", device)) if p.workspace else None
-    if p.ordered is not False:
-        try:
-            p.graph.execute(tuple(buffers.values()), workspace, handle=handle, tensor_uids=tuple(map(int, buffers)))
-        except TypeError:
-            if p.ordered:
-                raise
-            p.ordered = False  # this frontend has no ordered form: the mapping form from now on
-        else:
-            p.ordered = True
-            return
     p.graph.execute(buffers, workspace, handle=handle)
 
 

@@ -1,6 +1,5 @@
-"""CPU tier: ``graphs.execute``'s host-cost choices with a stand-in graph (no cuDNN call is made):
-ordered buffers where the frontend takes them, the mapping form where it does not, and the handle
-re-bound only when the stream changes."""
+"""CPU tier: ``graphs.execute`` with a stand-in graph (no cuDNN call is made): the mapping form, and
+the handle re-bound only when the stream changes."""
 
 from __future__ import annotations
 
@@ -33,32 +32,12 @@ def bound(monkeypatch):
     return streams
 
 
-def test_ordered_buffers_where_the_frontend_takes_them(bound):
+def test_mapping_form(bound):
     g = FakeGraph(ordered=True)
-    plan = graphs.Plan(graph=g, workspace=0, name="x")
-    buffers = {UID.Q: "q", UID.K: "k", UID.O: "o"}
-    graphs.execute(plan, buffers, 0, 7)
-    assert plan.ordered is True
-    assert g.calls == [(("q", "k", "o"), (int(UID.Q), int(UID.K), int(UID.O)), "handle0")]
-    assert all(type(u) is int for u in g.calls[0][1])
-
-
-def test_mapping_form_on_older_frontends_decided_once(bound):
-    g = FakeGraph(ordered=False)
     plan = graphs.Plan(graph=g, workspace=0, name="x")
     buffers = {UID.Q: "q", UID.O: "o"}
     graphs.execute(plan, buffers, 0, 7)
-    graphs.execute(plan, buffers, 0, 7)
-    assert plan.ordered is False
-    assert g.calls == [(buffers, None, "handle0")] * 2  # the failed ordered try made no call
-
-
-def test_a_type_error_after_ordered_worked_is_raised(bound):
-    g = FakeGraph(ordered=True)
-    plan = graphs.Plan(graph=g, workspace=0, name="x", ordered=True)
-    g.ordered = False  # the same graph now refuses: a real error, not an old frontend
-    with pytest.raises(TypeError):
-        graphs.execute(plan, {UID.Q: "q"}, 0, 7)
+    assert g.calls == [(buffers, None, "handle0")]
 
 
 def test_stream_bound_only_when_it_changes(bound):

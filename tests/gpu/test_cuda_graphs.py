@@ -82,6 +82,10 @@ def test_training_step_captured_whole_replays_equal_to_eager():
                 assert_rel_close(g, want[1][n], GRAD_TOL, f"replay {trial} grad {n} vs {name}")
 
 
+# make_graphed_callables warms up on its own side stream with a leaf made on the default stream;
+# torch 2.11 then warns that the leaf's AccumulateGrad node is on another stream (an advisory about a
+# possible extra sync, raised from torch's helper itself). The replays are checked against eager below.
+@pytest.mark.filterwarnings("ignore:The AccumulateGrad node's stream does not match")
 def test_make_graphed_callables_block_forward_and_backward():
     torch.manual_seed(2)
     block = TinyGQA().blocks[0].to(DEV, torch.bfloat16)
