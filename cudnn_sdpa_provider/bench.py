@@ -463,7 +463,11 @@ def _step(case: Case, mode: str, path: str) -> Callable:
 
 def _capture(m: Measurement, s: _StepSet) -> None:
     """Warm-up steps on a side stream (builds every cuDNN graph), then one step captured in a CUDA
-    graph; ``m.step`` replays it. Counts the Python-run steps in ``m.calls``."""
+    graph; ``m.step`` replays it. Counts the Python-run steps in ``m.calls``.
+
+    Capture runs on the graph's own stream, as in run 8 of results/gpu-runs.md where this path
+    worked; run 9 captured on the warm-up stream and failed here (the model's gradients exist
+    and accumulate, unlike in tests/gpu/test_cuda_graphs.py, which captures on the warm-up stream)."""
     eager = m.step
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -472,7 +476,7 @@ def _capture(m: Measurement, s: _StepSet) -> None:
             eager(s)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # capture where the warm-up ran (autograd nodes keep their stream)
+    with torch.cuda.graph(graph):
         eager(s)
     m.calls += GRAPH_WARMUP_STEPS + 1
     m.keep, m.step = graph, lambda _s: graph.replay()
@@ -508,7 +512,7 @@ def _scope(m: Measurement):
 
 
 def _why(exc: BaseException, caught: list) -> str:
-    said = [str(w.message) for w in caught] + [f"{type(exc).__name__}: {exc}"]
+    said = [f"{type(exc).__name__}: {exc}"] + [str(w.message) for w in caught]  # the exception first
     said = [_TRIGGERED.sub("", s).strip().splitlines() for s in said]
     text = "; ".join(dict.fromkeys(lines[0] for lines in said if lines))
     return text if len(text) <= 400 else text[:397] + "..."

@@ -105,17 +105,23 @@ def _run_case(cfg):
     sink_leaf = sinks.detach().float().requires_grad_() if sinks is not None else None
     ref, _ = reference.dense(*leaves, sinks=sink_leaf, **ref_kw)
     ref.backward(go.float())
-    # The FlashAttention maintainers' rule: error <= max(3 x the error of plain low-precision
-    # attention, a dtype floor). "Plain low precision" = the same math in the input dtype.
+    # The FlashAttention maintainers' rule, per tensor: error <= max(3 x the error of plain
+    # low-precision attention for that tensor, a floor). "Plain low precision" = the same math in
+    # the input dtype (forward and the closed-form backward). Per tensor, because a gradient can
+    # cancel: with S_kv = 1 or 2, dQ = P (dP - D) K is a difference of nearly equal terms, and the
+    # bf16 rounding of O (inside D = dO . O) then moves it by far more than it moves O (run 9).
     with torch.no_grad():
         low, _ = reference.dense(q.detach(), k.detach(), v.detach(), sinks=sinks, compute_dtype=cfg["dtype"], **ref_kw)
+        low_grads = reference.dense_backward(go, q.detach(), k.detach(), v.detach(), sinks=sinks,
+                                             compute_dtype=cfg["dtype"], **ref_kw)[:3]
     base_err, _ = rel_error(low, ref)
     budget = max(3 * base_err, FLOOR[cfg["dtype"]])
     checks = [("out", out, ref, budget)]
     grad_budget = max(budget * 2, FLOOR[cfg["dtype"]] * 3)
-    checks += [("dq", q.grad, leaves[0].grad, grad_budget),
-               ("dk", k.grad, leaves[1].grad, grad_budget * math.sqrt(cfg["group"])),
-               ("dv", v.grad, leaves[2].grad, grad_budget * math.sqrt(h_q // h_v))]
+    floors = (grad_budget, grad_budget * math.sqrt(cfg["group"]), grad_budget * math.sqrt(h_q // h_v))
+    for name, got, leaf, low_g, floor in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), leaves, low_grads,
+                                             floors):
+        checks.append((name, got, leaf.grad, max(floor, 3 * rel_error(low_g, leaf.grad)[0])))
     for name, got, want, tol in checks:
         assert not torch.isnan(got).any(), f"{name} has NaN ({delta.to_dict()})"
         err, worst = rel_error(got, want)
@@ -190,12 +196,16 @@ def test_fuzzed_varlen_parity(cfg):
                         max_seqlen_kv=max_len)
     out.backward(go)
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref, _ = reference.varlen(*leaves, cu, cu, max_len, max_len, scale=1 / math.sqrt(d), window=window,
-                              bottom_right=True)
+    kw = dict(scale=1 / math.sqrt(d), window=window, bottom_right=True)
+    ref, _ = reference.varlen(*leaves, cu, cu, max_len, max_len, **kw)
     ref.backward(go.float())
-    for name, got, want, tol in (("out", out, ref, 2e-2), ("dq", q.grad, leaves[0].grad, 4e-2),
-                                 ("dk", k.grad, leaves[1].grad, 4e-2 * math.sqrt(cfg["group"])),
-                                 ("dv", v.grad, leaves[2].grad, 4e-2 * math.sqrt(cfg["group"]))):
+    with torch.no_grad():  # per-tensor low-precision baselines, as in the dense fuzz
+        low_grads = reference.varlen_backward(go, q.detach(), k.detach(), v.detach(), cu, cu, max_len, max_len,
+                                              compute_dtype=torch.bfloat16, **kw)[:3]
+    floors = (4e-2, 4e-2 * math.sqrt(cfg["group"]), 4e-2 * math.sqrt(cfg["group"]))
+    grads = [(n, g, leaf.grad, max(f, 3 * rel_error(low_g, leaf.grad)[0]))
+             for n, g, leaf, low_g, f in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), leaves, low_grads, floors)]
+    for name, got, want, tol in [("out", out, ref, 2e-2)] + grads:
         assert not torch.isnan(got).any(), f"{name} has NaN (lens {lens})"
         err, worst = rel_error(got, want)
         assert err <= tol, f"{name}: rel err {err:.2e} > {tol} at {worst} (lens {lens})"
