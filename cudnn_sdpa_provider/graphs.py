@@ -261,8 +261,9 @@ def execute(p: Plan, buffers: dict, device: int, stream: int) -> None:
 
     The handle (this thread's, per device) is re-bound only when the stream changes (frontend
     1.32's ``set_stream`` skips an unchanged stream itself; 1.28's does not). The frontend's
-    ordered form (``tensor_uids``, 1.31+) saves ~2.5 us a call but is not used: the GPU fuzz
-    failed with it (run 9 of results/gpu-runs.md; docs/performance-notes.md)."""
+    ordered form (``tensor_uids``, 1.31+) saved 2.5 us a call on the H200 host; it was taken out
+    while a fuzz failure was suspected of it (run 10 of results/gpu-runs.md cleared it) and has not
+    been re-verified since (docs/performance-notes.md)."""
     state = _state()
     handle = _handle(device)
     if state["streams"].get(device) != stream:

@@ -86,3 +86,18 @@ def test_relative_links_in_docs_resolve():
             if "://" not in target and not (page.parent / target).exists():
                 missing.append(f"{page.name}: {target}")
     assert not missing, missing
+
+
+def test_relative_links_in_docs_and_readme_resolve():
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(root)} -> {target}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
