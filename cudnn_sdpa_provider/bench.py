@@ -465,9 +465,10 @@ def _capture(m: Measurement, s: _StepSet) -> None:
     """Warm-up steps on a side stream (builds every cuDNN graph), then one step captured in a CUDA
     graph; ``m.step`` replays it. Counts the Python-run steps in ``m.calls``.
 
-    Capture runs on the graph's own stream, as in run 8 of results/gpu-runs.md where this path
-    worked; run 9 captured on the warm-up stream and failed here (the model's gradients exist
-    and accumulate, unlike in tests/gpu/test_cuda_graphs.py, which captures on the warm-up stream)."""
+    The form of tests/gpu/test_cuda_graphs.py (passed in runs 9 and 10 of results/gpu-runs.md):
+    gradients set to None before capture, so the captured backward allocates them from the graph's
+    pool, and capture on the warm-up's stream, where autograd's nodes were made. Run 9 captured on
+    that stream with the warm-up's gradients still there and failed (AccumulateGrad stream check)."""
     eager = m.step
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -475,8 +476,9 @@ def _capture(m: Measurement, s: _StepSet) -> None:
         for _ in range(GRAPH_WARMUP_STEPS):
             eager(s)
     torch.cuda.current_stream().wait_stream(side)
+    s.model.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         eager(s)
     m.calls += GRAPH_WARMUP_STEPS + 1
     m.keep, m.step = graph, lambda _s: graph.replay()

@@ -1,9 +1,12 @@
 """``attention()``: what F.scaled_dot_product_attention cannot say, on cuDNN, with autograd.
 
 Dense (B, H, S, D) inputs of any strides, or packed (T, H, D) inputs with ``cu_seqlens``. Runs the
-``cudnn_sdpa`` ops (served calls and fallbacks are counted in the same telemetry) whether or not
-the provider is enabled; inside a strict scope a call that would fall back raises FallbackError.
-torch.compile(fullgraph=True) traces it as the custom ops.
+``cudnn_sdpa`` kernels (served calls and fallbacks are counted in the same telemetry) whether or
+not the provider is enabled; inside a strict scope a call that would fall back raises
+FallbackError. Eager calls on plain tensors go through ``ops.DenseFunction``/``VarlenFunction``
+(cheaper on the host); torch.compile(fullgraph=True), tracing, tensor subclasses and functorch
+transforms see the custom ops ``cudnn_sdpa::*`` with their fake kernels. The returned LSE carries
+no gradient.
 """
 
 from __future__ import annotations
@@ -158,9 +161,10 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
                                                              bottom_right=bottom_right, seq_lens_q=seq_lens_q))
     philox = engine.new_philox(q.device) if dropout_p > 0.0 else None
     try:
-        out, lse = torch.ops.cudnn_sdpa.dense_fwd(q, k, v, sinks32, None, seq_lens_q, seq_lens_kv, philox, float(scale),
-                                                  float(dropout_p), window[0], window[1], bottom_right,
-                                                  return_lse or grad, fallback)
+        eager = ops.eager(q, k, v, sinks, seq_lens_q, seq_lens_kv)
+        fwd = ops.DenseFunction.apply if eager else torch.ops.cudnn_sdpa.dense_fwd
+        out, lse = fwd(q, k, v, sinks32, None, seq_lens_q, seq_lens_kv, philox, float(scale), float(dropout_p),
+                       window[0], window[1], bottom_right, return_lse or grad, fallback)
     except NotSupportedError as exc:
         raise FallbackError("dense_fwd", [exc.reason], describe_call(q=q, k=k, v=v), [exc.detail]) from None
     return (out, lse) if return_lse else out
@@ -190,8 +194,9 @@ def _varlen(q, k, v, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_
                                     deterministic=torch.are_deterministic_algorithms_enabled()) if grad else None
         _strict_precheck(q.device, problem, bwd, lambda: describe_call(q=q, k=k, v=v, cu_seqlens_q=cu_q, window=window))
     try:
-        out, lse = torch.ops.cudnn_sdpa.varlen_fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks32, scale, window[0],
-                                                   window[1], bottom_right, fallback)
+        eager = ops.eager(q, k, v, sinks32, cu_q, cu_kv)
+        fwd = ops.VarlenFunction.apply if eager else torch.ops.cudnn_sdpa.varlen_fwd
+        out, lse = fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks32, scale, window[0], window[1], bottom_right, fallback)
     except NotSupportedError as exc:
         raise FallbackError("varlen_fwd", [exc.reason], describe_call(q=q, k=k, v=v), [exc.detail]) from None
     return (out, lse) if return_lse else out

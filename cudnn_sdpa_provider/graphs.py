@@ -256,21 +256,39 @@ def describe(key) -> str:
     return f"{kind} {dtype} q={shape(key.q)} k={shape(key.k)} v={shape(key.v)} window={key.window} {' '.join(flags)}".strip()
 
 
+#: First frontend whose ``graph.execute`` takes ordered buffers with ``tensor_uids`` (1.28 does not).
+ORDERED_SINCE = (1, 31)
+
+
+def ordered_execute(version: str | None) -> bool:
+    """Whether frontend ``version`` takes ordered buffers (``"1.32.0"`` -> True)."""
+    try:
+        return tuple(int(part) for part in (version or "").split(".")[:2]) >= ORDERED_SINCE
+    except ValueError:  # a local or dev build we cannot read: the mapping form works everywhere
+        return False
+
+
+_ORDERED = ordered_execute(getattr(cudnn, "__version__", None))
+
+
 def execute(p: Plan, buffers: dict, device: int, stream: int) -> None:
     """Run ``p`` on ``buffers`` ({UID: tensor}) on the given CUDA stream handle.
 
-    The handle (this thread's, per device) is re-bound only when the stream changes (frontend
-    1.32's ``set_stream`` skips an unchanged stream itself; 1.28's does not). The frontend's
-    ordered form (``tensor_uids``, 1.31+) saved 2.5 us a call on the H200 host; it was taken out
-    while a fuzz failure was suspected of it (run 10 of results/gpu-runs.md cleared it) and has not
-    been re-verified since (docs/performance-notes.md)."""
+    Host cost (docs/performance-notes.md): the handle (this thread's, per device) is re-bound only
+    when the stream changes (frontend 1.32's ``set_stream`` skips an unchanged stream itself; 1.28's
+    does not), and frontends 1.31+ get ordered buffers with ``tensor_uids``, which skips their
+    mapping normalisation (2.5 us a call on the H200 host). Run 9 of results/gpu-runs.md used the
+    ordered form, run 10 the mapping form: identical numbers on the same cases."""
     state = _state()
     handle = _handle(device)
     if state["streams"].get(device) != stream:
         cudnn.set_stream(handle=handle, stream=stream)
         state["streams"][device] = stream
     workspace = torch.empty(p.workspace, dtype=torch.uint8, device=torch.device("cuda", device)) if p.workspace else None
-    p.graph.execute(buffers, workspace, handle=handle)
+    if _ORDERED:
+        p.graph.execute(tuple(buffers.values()), workspace, handle=handle, tensor_uids=tuple(map(int, buffers)))
+    else:
+        p.graph.execute(buffers, workspace, handle=handle)
 
 
 # --------------------------------------------------------------------------------- graph builds

@@ -16,11 +16,12 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import counters, engine, layout, reference
 from .errors import NotSupportedError
 
-__all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd"]
+__all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "DenseFunction", "VarlenFunction", "eager"]
 
 
 def _fail_or_fallback(path: str, exc: NotSupportedError, fallback: bool) -> None:
@@ -84,8 +85,7 @@ def _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, 
     return dq, dk, dv, dsinks
 
 
-@torch.library.custom_op("cudnn_sdpa::dense_fwd", mutates_args=(), device_types="cuda")
-def dense_fwd(
+def _dense_fwd_cuda(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -116,6 +116,9 @@ def dense_fwd(
     return out, lse
 
 
+dense_fwd = torch.library.custom_op("cudnn_sdpa::dense_fwd", _dense_fwd_cuda, mutates_args=(), device_types="cuda")
+
+
 @dense_fwd.register_kernel("cpu")
 def _dense_fwd_cpu(q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left, window_right,
                    bottom_right, compute_lse, fallback):
@@ -132,8 +135,7 @@ def _dense_fwd_fake(q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, 
     return out, lse
 
 
-@torch.library.custom_op("cudnn_sdpa::dense_bwd", mutates_args=(), device_types="cuda")
-def dense_bwd(
+def _dense_bwd_cuda(
     grad_out: Tensor,
     q: Tensor,
     k: Tensor,
@@ -168,6 +170,9 @@ def dense_bwd(
     return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
 
 
+dense_bwd = torch.library.custom_op("cudnn_sdpa::dense_bwd", _dense_bwd_cuda, mutates_args=(), device_types="cuda")
+
+
 @dense_bwd.register_kernel("cpu")
 def _dense_bwd_cpu(grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p,
                    window_left, window_right, bottom_right, deterministic, fallback):
@@ -189,21 +194,27 @@ def _dense_setup_context(ctx, inputs, output):
     out, lse = output
     if not compute_lse:
         ctx.lse_missing = True
+    # The backward takes no gradient for the LSE (cuDNN's has no such input): mark it, so that a
+    # loss on the LSE raises instead of silently getting a zero contribution.
+    ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox)
     ctx.options = (scale, dropout_p, window_left, window_right, bottom_right, fallback)
 
 
-def _dense_backward(ctx, grad_out, grad_lse):
+def _dense_grads(ctx, grad_out, bwd):
     if getattr(ctx, "lse_missing", False):
         raise RuntimeError("cudnn_sdpa::dense_fwd ran with compute_lse=False; its backward needs the LSE")
     q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox = ctx.saved_tensors
     scale, dropout_p, window_left, window_right, bottom_right, fallback = ctx.options
-    dq, dk, dv, dsinks = torch.ops.cudnn_sdpa.dense_bwd(
-        grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left,
-        window_right, bottom_right, torch.are_deterministic_algorithms_enabled(), fallback,
-    )
+    dq, dk, dv, dsinks = bwd(grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p,
+                             window_left, window_right, bottom_right, torch.are_deterministic_algorithms_enabled(),
+                             fallback)
     # inputs: q k v sinks bias seq_len_q seq_len_kv philox scale dropout_p wl wr bottom_right compute_lse fallback
     return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 11
+
+
+def _dense_backward(ctx, grad_out, grad_lse):
+    return _dense_grads(ctx, grad_out, torch.ops.cudnn_sdpa.dense_bwd)
 
 
 dense_fwd.register_autograd(_dense_backward, setup_context=_dense_setup_context)
@@ -234,8 +245,7 @@ def _varlen_composite_bwd(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, 
     return outs[0], outs[1], outs[2], dsinks
 
 
-@torch.library.custom_op("cudnn_sdpa::varlen_fwd", mutates_args=(), device_types="cuda")
-def varlen_fwd(
+def _varlen_fwd_cuda(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -263,6 +273,9 @@ def varlen_fwd(
     return out, lse
 
 
+varlen_fwd = torch.library.custom_op("cudnn_sdpa::varlen_fwd", _varlen_fwd_cuda, mutates_args=(), device_types="cuda")
+
+
 @varlen_fwd.register_kernel("cpu")
 def _varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left,
                     window_right, bottom_right, fallback):
@@ -279,8 +292,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seq
     return out, lse
 
 
-@torch.library.custom_op("cudnn_sdpa::varlen_bwd", mutates_args=(), device_types="cuda")
-def varlen_bwd(
+def _varlen_bwd_cuda(
     grad_out: Tensor,
     q: Tensor,
     k: Tensor,
@@ -313,6 +325,9 @@ def varlen_bwd(
     return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
 
 
+varlen_bwd = torch.library.custom_op("cudnn_sdpa::varlen_bwd", _varlen_bwd_cuda, mutates_args=(), device_types="cuda")
+
+
 @varlen_bwd.register_kernel("cpu")
 def _varlen_bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
                     scale, window_left, window_right, bottom_right, deterministic, fallback):
@@ -332,19 +347,72 @@ def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left, window_right,
      bottom_right, fallback) = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)  # as for dense: no gradient flows through the LSE
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sinks)
     ctx.options = (max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right, fallback)
 
 
-def _varlen_backward(ctx, grad_out, grad_lse):
+def _varlen_grads(ctx, grad_out, bwd):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sinks = ctx.saved_tensors
     max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right, fallback = ctx.options
-    dq, dk, dv, dsinks = torch.ops.cudnn_sdpa.varlen_bwd(
-        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
-        window_left, window_right, bottom_right, torch.are_deterministic_algorithms_enabled(), fallback,
-    )
+    dq, dk, dv, dsinks = bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                             sinks, scale, window_left, window_right, bottom_right,
+                             torch.are_deterministic_algorithms_enabled(), fallback)
     # inputs: q k v cu_q cu_kv max_q max_kv sinks scale wl wr bottom_right fallback
     return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None) + (None,) * 5
 
 
+def _varlen_backward(ctx, grad_out, grad_lse):
+    return _varlen_grads(ctx, grad_out, torch.ops.cudnn_sdpa.varlen_bwd)
+
+
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ------------------------------------------------------------------------------- eager autograd
+
+
+class DenseFunction(torch.autograd.Function):
+    """The dense op pair without the custom-op machinery, for eager calls on plain tensors: the
+    same kernels, contexts and counters, at a fraction of the host cost (the custom op's Python
+    autograd wrapper and two redispatches cost ~200 us per forward+backward on an H200 host:
+    docs/performance-notes.md). ``functional.attention`` picks it when nothing traces the call."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        kernel = _dense_fwd_cuda if inputs[0].device.type == "cuda" else _dense_fwd_cpu
+        output = kernel(*inputs)
+        _dense_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        return _dense_grads(ctx, grad_out, _dense_bwd_cuda if grad_out.device.type == "cuda" else _dense_bwd_cpu)
+
+
+class VarlenFunction(torch.autograd.Function):
+    """``DenseFunction``'s packed counterpart (``cudnn_sdpa::varlen_fwd`` / ``varlen_bwd``)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        kernel = _varlen_fwd_cuda if inputs[0].device.type == "cuda" else _varlen_fwd_cpu
+        output = kernel(*inputs)
+        _varlen_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        return _varlen_grads(ctx, grad_out, _varlen_bwd_cuda if grad_out.device.type == "cuda" else _varlen_bwd_cpu)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # nn.Parameter: e.g. gpt-oss's sinks
+
+
+def eager(*tensors) -> bool:
+    """Whether a call on these tensors may take the eager Functions: plain tensors, nothing
+    compiling, tracing, or transforming it (those see the custom ops, with their fake kernels)."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
+            and all(t is None or type(t) in _PLAIN for t in tensors))

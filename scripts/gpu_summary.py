@@ -38,11 +38,26 @@ def machine():
     return info
 
 
+def fuzz_counts(path):
+    """{kind: {"ok": n, "FAIL": n}} from a CSP_FUZZ_LOG file (one line per configuration tried;
+    hypothesis's shrinking of a failure adds FAIL lines)."""
+    counts = {}
+    with open(path) as f:
+        for line in f:
+            kind, status = line.split(" ", 2)[:2]
+            counts.setdefault(kind, {}).setdefault(status, 0)
+            counts[kind][status] += 1
+    return counts
+
+
 def main(out):
     runs = {}
     for path in sorted(glob.glob(os.path.join(out, "junit-*.xml"))):
         version = os.path.basename(path)[len("junit-"):-len(".xml")]
         runs[version] = junit_counts(path)
+    for path in sorted(glob.glob(os.path.join(out, "fuzz-*.log"))):
+        version = os.path.basename(path)[len("fuzz-"):-len(".log")]
+        runs.setdefault(version, {})["fuzz_configs"] = fuzz_counts(path)
     print(json.dumps({"machine": machine(), "frontends": runs}, indent=2))
 
 

@@ -3,7 +3,8 @@
 #   GPU tests with each nvidia-cudnn-frontend wheel in .whl/ (default 1.32.0 and 1.28.0),
 #   then, with BENCH=1, the benchmark. Logs, junit XML and summary.json go to $OUT.
 # Usage: OUT=/tmp/out bash scripts/gpu_tier.sh   (FRONTENDS="1.32.0" to run one, SKIP_SLOW=1, FUZZ_EXAMPLES=N,
-#        PYTEST_ARGS="..." extra pytest options, BENCH=1 BENCH_ARGS="--quick")
+#        PYTEST_ARGS="..." extra pytest options (split on spaces), PYTEST_K="expr" a pytest -k expression,
+#        BENCH=1 BENCH_ARGS="--quick")
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -26,8 +27,9 @@ for fe in $FRONTENDS; do
   echo "== nvidia-cudnn-frontend $fe ==" | tee "$OUT/log-$fe.txt"
   marks="gpu"
   [ "${SKIP_SLOW:-0}" = 1 ] && marks="gpu and not slow"
+  export CSP_FUZZ_LOG="$OUT/fuzz-$fe.log"
   PYTHONPATH="$site:$PWD" timeout "${TIMEOUT:-1200}" python3 -m pytest tests -m "$marks" --gpu -q -p no:cacheprovider \
-    --junitxml="$OUT/junit-$fe.xml" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/log-$fe.txt"
+    --junitxml="$OUT/junit-$fe.xml" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/log-$fe.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
 PYTHONPATH="/tmp/csp-fe-${FRONTENDS%% *}:$PWD" python3 scripts/gpu_summary.py "$OUT" > "$OUT/summary.json"

@@ -4,7 +4,7 @@
 
 Layer by layer, microseconds of wall time per call over ``--calls`` back-to-back calls (one sync
 at the end; the median of 5 such runs): PyTorch's native cuDNN path, the provider through F.sdpa,
-``csp.attention``, ``engine.dense_fwd`` (the fast path), ``graphs.execute`` (handle stream +
+``csp.attention`` (eager, and through its custom ops as compiled code gets it), ``engine.dense_fwd`` (the fast path), ``graphs.execute`` (handle stream +
 workspace + the frontend's execute) and the frontend's ``graph.execute`` alone (with a mapping,
 and with ordered buffers where the frontend has ``tensor_uids``). Then cProfile's top entries for
 the provider's forward+backward. Notes: docs/performance-notes.md.
@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import engine, graphs  # noqa: E402
+from cudnn_sdpa_provider import engine, graphs, ops  # noqa: E402
 from cudnn_sdpa_provider.graphs import UID  # noqa: E402
 
 
@@ -83,6 +83,12 @@ def main() -> None:
         rows.append(("provider F.sdpa forward+backward", per_call_us(sdpa_bwd, args.calls)))
     rows.append(("csp.attention forward", per_call_us(attention, args.calls)))
     rows.append(("csp.attention forward+backward", per_call_us(attention_bwd, args.calls)))
+    eager, ops.eager = ops.eager, lambda *tensors: False  # what compiled/traced calls get: the custom ops
+    try:
+        rows.append(("csp.attention forward, custom op", per_call_us(attention, args.calls)))
+        rows.append(("csp.attention forward+backward, custom op", per_call_us(attention_bwd, args.calls)))
+    finally:
+        ops.eager = eager
     rows.append(("engine.dense_fwd (fast path)", per_call_us(engine_fwd, args.calls)))
 
     engine_fwd()

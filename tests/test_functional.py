@@ -333,3 +333,121 @@ def test_explain_runs_nothing():
     q, k, v = dense(requires_grad=False)
     _, counted = region(lambda: csp.explain(q, k, v))
     assert counted == {}
+
+
+# ---------------------------------------------------- eager Functions and the custom ops agree
+
+
+class _Subclass(torch.Tensor):
+    """A trivial tensor subclass: such inputs must see the custom ops (their fake kernels)."""
+
+
+def _both_paths(monkeypatch, fn):
+    """``fn()`` through the eager Functions, then again with ``ops.eager`` forced off."""
+    from cudnn_sdpa_provider import ops
+
+    eager = fn()
+    monkeypatch.setattr(ops, "eager", lambda *tensors: False)
+    return eager, fn()
+
+
+def test_eager_functions_equal_the_custom_ops_dense(monkeypatch):
+    q, k, v = dense()
+    sinks = rnd(4, seed=9, requires_grad=True)
+    go = rnd(2, 4, 6, 8, seed=4)
+
+    def run():
+        for t in (q, k, v, sinks):
+            t.grad = None
+        def step():
+            out = csp.attention(q, k, v, sinks=sinks, window=(3, 1))
+            out.backward(go)
+            return out
+
+        out, counted = region(step)
+        return out.detach(), [t.grad for t in (q, k, v, sinks)], counted, type(out.grad_fn).__name__
+
+    (out_e, grads_e, counted_e, fn_e), (out_c, grads_c, counted_c, fn_c) = _both_paths(monkeypatch, run)
+    assert fn_e == "DenseFunctionBackward" and fn_c != fn_e
+    assert counted_e == counted_c == {"dense_fwd": {"no_cuda": 1}, "dense_bwd": {"no_cuda": 1}}
+    assert torch.equal(out_e, out_c)
+    for a, b in zip(grads_e, grads_c):
+        assert a is not None and torch.equal(a, b)
+
+
+def test_eager_functions_equal_the_custom_ops_varlen(monkeypatch):
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    q, k, v = (rnd(11, 4, 8, seed=s, requires_grad=True) for s in (1, 2, 3))
+    go = rnd(11, 4, 8, seed=4)
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        def step():
+            out = csp.attention(q, k, v, cu_seqlens_q=cu, max_seqlen_q=7, max_seqlen_kv=7, is_causal=True)
+            out.backward(go)
+            return out
+
+        out, counted = region(step)
+        return out.detach(), [t.grad for t in (q, k, v)], counted, type(out.grad_fn).__name__
+
+    (out_e, grads_e, counted_e, fn_e), (out_c, grads_c, counted_c, fn_c) = _both_paths(monkeypatch, run)
+    assert fn_e == "VarlenFunctionBackward" and fn_c != fn_e
+    assert counted_e == counted_c == {"varlen_fwd": {"no_cuda": 1}, "varlen_bwd": {"no_cuda": 1}}
+    assert torch.equal(out_e, out_c)
+    for a, b in zip(grads_e, grads_c):
+        assert torch.equal(a, b)
+
+
+def test_eager_only_for_plain_tensors_outside_tracing():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cudnn_sdpa_provider import ops
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 4, 8)
+    assert ops.eager(q, None, q, torch.nn.Parameter(torch.zeros(2)))
+    assert not ops.eager(q, q.as_subclass(_Subclass))
+    with Mode():
+        assert not ops.eager(q)
+    assert torch.func.vmap(lambda x: torch.tensor(ops.eager(x)))(q).all().item() is False
+
+
+@pytest.mark.parametrize("custom_op", [False, True], ids=["eager", "custom_op"])
+def test_lse_carries_no_gradient(monkeypatch, custom_op):
+    from cudnn_sdpa_provider import ops
+
+    if custom_op:
+        monkeypatch.setattr(ops, "eager", lambda *tensors: False)
+    q, k, v = dense()
+    out, lse = csp.attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad  # a loss on the LSE alone raises, never a silent 0
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        lse.sum().backward()
+
+
+def test_eager_backward_is_once_differentiable():
+    q, k, v = dense()
+    out = csp.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)  # grad_out depends on q
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
+def test_compiled_call_sees_the_custom_op():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    q, k, v = dense()
+    compiled = torch.compile(lambda q, k, v: csp.attention(q, k, v, is_causal=True), backend=counter, fullgraph=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    want = csp.attention(*(t.detach() for t in (q, k, v)), is_causal=True)
+    assert torch.equal(out.detach(), want)
+    assert counter.frame_count == 1
+    graph_ops = {str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("cudnn_sdpa.dense_fwd" in name for name in graph_ops), graph_ops
+    assert q.grad is not None and torch.isfinite(q.grad).all()

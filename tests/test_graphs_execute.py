@@ -1,5 +1,5 @@
-"""CPU tier: ``graphs.execute`` with a stand-in graph (no cuDNN call is made): the mapping form, and
-the handle re-bound only when the stream changes."""
+"""CPU tier: ``graphs.execute`` with a stand-in graph (no cuDNN call is made): ordered buffers on
+frontends 1.31+, the mapping form before, and the handle re-bound only when the stream changes."""
 
 from __future__ import annotations
 
@@ -32,8 +32,24 @@ def bound(monkeypatch):
     return streams
 
 
-def test_mapping_form(bound):
+@pytest.mark.parametrize("version, ordered", [("1.28.0", False), ("1.30.9", False), ("1.31.0", True),
+                                              ("1.32.0", True), ("2.0.0", True), (None, False), ("1.x", False)])
+def test_ordered_form_from_frontend_1_31(version, ordered):
+    assert graphs.ordered_execute(version) is ordered
+
+
+def test_ordered_buffers(bound, monkeypatch):
+    monkeypatch.setattr(graphs, "_ORDERED", True)
     g = FakeGraph(ordered=True)
+    plan = graphs.Plan(graph=g, workspace=0, name="x")
+    graphs.execute(plan, {UID.Q: "q", UID.K: "k", UID.O: "o"}, 0, 7)
+    assert g.calls == [(("q", "k", "o"), (int(UID.Q), int(UID.K), int(UID.O)), "handle0")]
+    assert all(type(u) is int for u in g.calls[0][1])  # plain ints, as pybind wants, not IntEnum members
+
+
+def test_mapping_form(bound, monkeypatch):
+    monkeypatch.setattr(graphs, "_ORDERED", False)
+    g = FakeGraph(ordered=False)
     plan = graphs.Plan(graph=g, workspace=0, name="x")
     buffers = {UID.Q: "q", UID.O: "o"}
     graphs.execute(plan, buffers, 0, 7)

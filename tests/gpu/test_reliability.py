@@ -21,6 +21,24 @@ FUZZ_EXAMPLES = int(os.environ.get("CSP_FUZZ_EXAMPLES", "100"))
 #: CSP_FUZZ_EXPLICIT=0 runs only generated configurations (to fuzz past a known-failing regression case).
 FUZZ_PHASES = tuple(p for p in Phase if p is not Phase.explicit or os.environ.get("CSP_FUZZ_EXPLICIT", "1") != "0")
 FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+#: CSP_FUZZ_LOG=path appends one line per configuration tried ("dense ok {...}", "varlen FAIL {...}"), so a
+#: run's figures survive a timeout (scripts/gpu_tier.sh sets it; scripts/gpu_summary.py counts the lines).
+FUZZ_LOG = os.environ.get("CSP_FUZZ_LOG")
+
+
+def _logged(kind: str, cfg: dict, check) -> None:
+    try:
+        check()
+    except BaseException:
+        _log_line(kind, "FAIL", cfg)
+        raise
+    _log_line(kind, "ok", cfg)
+
+
+def _log_line(kind: str, status: str, cfg: dict) -> None:
+    if FUZZ_LOG:
+        with open(FUZZ_LOG, "a") as f:
+            f.write(f"{kind} {status} {cfg}\n")
 
 # ----------------------------------------------------------------------------------- fuzzing
 
@@ -159,7 +177,7 @@ def _check_dsinks(got, want, ref_out, lse, go, sinks, tol, delta):
 @example(cfg=dict(dtype=torch.bfloat16, b=1, h_k=2, group=1, v_heads_same=True, s_q=64, s_kv=1, dims=(128, 128),
                   mask="none", sinks=True, padded="with_one", order="bhsd", odd="slice", seed=7670))  # run 9, dq
 def test_fuzzed_dense_parity(cfg):
-    _run_case(cfg)
+    _logged("dense", cfg, lambda: _run_case(cfg))
 
 
 varlen_configs = st.fixed_dictionaries(
@@ -180,6 +198,10 @@ varlen_configs = st.fixed_dictionaries(
 @given(cfg=varlen_configs)
 @example(cfg=dict(lens=[2], h_k=1, group=1, d=64, mask="causal", tail=0, seed=6555))  # run 9, dq
 def test_fuzzed_varlen_parity(cfg):
+    _logged("varlen", cfg, lambda: _varlen_case(cfg))
+
+
+def _varlen_case(cfg):
     gen = torch.Generator(device=DEV).manual_seed(cfg["seed"])
     lens = cfg["lens"]
     h_k, d = cfg["h_k"], cfg["d"]
