@@ -1,0 +1,31 @@
+"""CPU tier: scripts/gpu_summary.py, which the GPU tier's record is made from (junit counts per
+frontend, fuzz configurations counted from CSP_FUZZ_LOG files)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+JUNIT = """<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">
+<testcase classname="tests.gpu.a" name="ok"/><testcase classname="tests.gpu.a" name="bad"><failure/></testcase>
+<testcase classname="tests.gpu.a" name="skip"><skipped/></testcase><testcase classname="tests.gpu.a" name="ok2"/>
+</testsuite></testsuites>"""
+
+
+def test_counts_junit_and_fuzz_lines(tmp_path):
+    (tmp_path / "junit-1.32.0.xml").write_text(JUNIT)
+    (tmp_path / "fuzz-1.32.0.log").write_text(
+        "dense ok {'b': 1}\n" * 3 + "dense FAIL {'b': 2, 'x': 'a b'}\n" + "varlen ok {'lens': [0, 1]}\n")
+    (tmp_path / "fuzz-1.28.0.log").write_text("varlen ok {}\n")  # killed before its junit file was written
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    runs = json.loads(done.stdout)["frontends"]
+    assert runs["1.32.0"]["passed"] == 2 and runs["1.32.0"]["failures"] == 1
+    assert runs["1.32.0"]["failed_tests"] == ["tests.gpu.a::bad"]
+    assert runs["1.32.0"]["fuzz_configs"] == {"dense": {"ok": 3, "FAIL": 1}, "varlen": {"ok": 1}}
+    assert runs["1.28.0"] == {"fuzz_configs": {"varlen": {"ok": 1}}}
