@@ -49,6 +49,7 @@ Status: ok | skipped (PyTorch cannot run the path) | fallback | unserved | error
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -60,6 +61,7 @@ import re
 import shlex
 import statistics
 import sys
+import traceback
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -465,23 +467,26 @@ def _capture(m: Measurement, s: _StepSet) -> None:
     """Warm-up steps on a side stream (builds every cuDNN graph), then one step captured in a CUDA
     graph; ``m.step`` replays it. Counts the Python-run steps in ``m.calls``.
 
-    The form of tests/gpu/test_cuda_graphs.py (passed in runs 9 and 10 of results/gpu-runs.md):
-    gradients set to None before capture, so the captured backward allocates them from the graph's
-    pool, and capture on the warm-up's stream, where autograd's nodes were made. Run 9 captured on
-    that stream with the warm-up's gradients still there and failed (AccumulateGrad stream check)."""
-    eager = m.step
+    Exactly the form of tests/gpu/test_cuda_graphs.py (passed in runs 9, 10 and 12 of
+    results/gpu-runs.md): a model of its own (a copy with the same weights, whose autograd has
+    never run on another stream; the other paths' eager steps ran on the default stream), gradients
+    set to None before each warm-up step and before capture (the captured backward allocates them
+    from the graph's pool), capture on the warm-up's stream."""
+    own = copy.copy(s)
+    own.model = copy.deepcopy(s.model)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(GRAPH_WARMUP_STEPS):
-            eager(s)
+            own.model.zero_grad(set_to_none=True)
+            _train_step(own)
     torch.cuda.current_stream().wait_stream(side)
-    s.model.zero_grad(set_to_none=True)
+    own.model.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        eager(s)
+        _train_step(own)
     m.calls += GRAPH_WARMUP_STEPS + 1
-    m.keep, m.step = graph, lambda _s: graph.replay()
+    m.keep, m.step = (graph, own), lambda _s: graph.replay()
 
 
 @contextlib.contextmanager
@@ -528,6 +533,7 @@ def _guard(m: Measurement, fn: Callable) -> None:
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - recorded in the row
         m.skip, m.error = _why(exc, []), True
+        _report(m, exc)
 
 
 def _probe(m: Measurement, case: Case, mode: str, sets: list) -> None:
@@ -546,6 +552,14 @@ def _probe(m: Measurement, case: Case, mode: str, sets: list) -> None:
             torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - recorded in the row
         m.skip, m.error = _why(exc, caught), m.path.startswith("provider")  # the provider must never raise
+        if m.error:
+            _report(m, exc)
+
+
+def _report(m: Measurement, exc: BaseException) -> None:
+    """The whole traceback of an errored path on stderr (the row keeps one line of it)."""
+    print(f"bench: path {m.path} raised:", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
 
 
 def _event_times(step: Callable, sets: list, n: int, warmup: int) -> list[float]:

@@ -113,7 +113,11 @@ def check_context_parallel(dtype, device, world: int, rank: int) -> dict:
     if device.type != "cuda":
         return {"ok": True, "skipped": "context parallelism runs the cuDNN op on CUDA only"}
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel, context_parallel_unshard
+    from torch.distributed.tensor.experimental import context_parallel
+    try:
+        from torch.distributed.tensor.experimental import context_parallel_unshard
+    except ImportError:  # torch 2.11 keeps it in the private module (run 12 of results/gpu-runs.md)
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mesh = init_device_mesh("cuda", (world,))

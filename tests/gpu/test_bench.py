@@ -44,7 +44,7 @@ def test_padded_and_graphed_step_cases_run_served():
             assert r.status == "ok" and r.fallbacks == 0 and r.served == r.expected > 0, r
     for path in bench.STEP_PATHS:
         r = by[(step.name, "fwd_bwd", path)]
-        assert r.status == "ok" and r.host_us > 0 and r.tflops is None, r
+        assert r.status == "ok" and r.host_us > 0 and r.tflops is None, (r.reason, r)  # the reason first
     graphed = by[(step.name, "fwd_bwd", "provider_graphed")]
     python_steps = bench.GRAPH_WARMUP_STEPS + 1
     assert graphed.expected == python_steps * step.layers * 2 == graphed.served, graphed
