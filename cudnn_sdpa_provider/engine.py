@@ -248,6 +248,23 @@ def _index(t: torch.Tensor, shape) -> torch.Tensor:
 # --------------------------------------------------------------------------------------- dense
 
 
+def _same_lengths(a, b) -> bool:
+    """Whether two length descriptions are the same: equal ints, or one device tensor (the same
+    object or the same memory, shape and strides; never read, so no sync)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is b or (a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def _alignment(bottom_right: bool, *same) -> bool:
+    """``bottom_right``, unless every sequence has as many keys as queries (each pair in ``same``
+    is the same): then bottom-right and top-left are the same mask, and top-left is what cuDNN
+    runs fastest (bottom-right over ragged varlen inputs cost ~1.3x forward, ~1.9x backward on the
+    H200 in run 12 of results/gpu-runs.md: masked tiles were not skipped)."""
+    return bottom_right and not all(_same_lengths(a, b) for a, b in same)
+
+
 def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None, bias=None,
               seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, compute_lse=True, rng_dump=None,
               checked=False):
@@ -257,6 +274,7 @@ def dense_fwd(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sin
     backward reuses. ``rng_dump`` (tests only): a (B, H_q, S_q, S_kv) fp32 buffer that receives
     the realised keep mask. ``checked=True``: the caller already ran ``check`` on this call."""
     padded = seq_len_q is not None
+    bottom_right = _alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
     signature = None
     if bias is None and dropout_p == 0.0 and rng_dump is None:
         signature = ("dense_fwd", q.device.index, _sig(q), _sig(k), _sig(v), _sig(sinks), _sig(seq_len_q),
@@ -343,6 +361,7 @@ def dense_bwd(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bot
               bias=None, seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, deterministic=False):
     """cuDNN backward. Returns (dq, dk, dv, dsinks or None)."""
     padded = seq_len_q is not None
+    bottom_right = _alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
     signature = None
     if bias is None and dropout_p == 0.0:
         signature = ("dense_bwd", q.device.index, _sig(grad_out), _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse),
@@ -509,6 +528,7 @@ def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seql
     """cuDNN varlen forward. Returns (out (T_q, H_q, D_v), lse (T_q, H_q) fp32)."""
     _check_cu(cu_seqlens_q, "cu_seqlens_q")
     _check_cu(cu_seqlens_kv, "cu_seqlens_kv")
+    bottom_right = _alignment(bottom_right, (cu_seqlens_q, cu_seqlens_kv))
     check(varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, window=window,
                          bottom_right=bottom_right, sinks=sinks is not None), q.device)
     batch = cu_seqlens_q.shape[0] - 1
@@ -566,6 +586,7 @@ def varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seq
     """cuDNN varlen backward. ``lse`` is (T_q, H_q) fp32. Returns (dq, dk, dv, dsinks or None)."""
     _check_cu(cu_seqlens_q, "cu_seqlens_q")
     _check_cu(cu_seqlens_kv, "cu_seqlens_kv")
+    bottom_right = _alignment(bottom_right, (cu_seqlens_q, cu_seqlens_kv))
     check(varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, backward=True, window=window,
                          bottom_right=bottom_right, sinks=sinks is not None, deterministic=deterministic), q.device)
     batch = cu_seqlens_q.shape[0] - 1
