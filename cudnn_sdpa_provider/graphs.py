@@ -127,6 +127,7 @@ class BwdKey:
     ragged: bool = False
     dropout_p: float = 0.0
     deterministic: bool = False
+    max_total: tuple | None = None  # ragged only: (tokens_q, tokens_kv) bounds that size the dQ accumulator
 
 
 @dataclass
@@ -253,6 +254,8 @@ def describe(key) -> str:
                              ("deterministic", getattr(key, "deterministic", False))) if on]
     if key.dropout_p:
         flags.append(f"dropout={key.dropout_p}")
+    if getattr(key, "max_total", None):
+        flags.append("max_total={}/{}".format(*key.max_total))
     return f"{kind} {dtype} q={shape(key.q)} k={shape(key.k)} v={shape(key.v)} window={key.window} {' '.join(flags)}".strip()
 
 
@@ -399,6 +402,8 @@ def _build_bwd(key: BwdKey, handle):
     if key.sinks:
         h = key.q.dims[1]
         kw["dSink_token"] = g.tensor(name="dsink", dim=[1, h, 1, 1], stride=[h, 1, 1, 1], data_type=cudnn.data_type.FLOAT, uid=int(UID.DSINK))
+    if key.max_total is not None:
+        kw["max_total_seq_len_q"], kw["max_total_seq_len_kv"] = key.max_total
     dq, dk, dv = g.sdpa_backward(q, k, v, o, do, lse, use_deterministic_algorithm=bool(key.deterministic), **kw)
     _output(dq, UID.DQ, key.dq)
     _output(dk, UID.DK, key.dk)
