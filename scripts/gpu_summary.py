@@ -16,6 +16,10 @@ def junit_counts(path):
     failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
               if c.find("failure") is not None or c.find("error") is not None]
     counts["failed_tests"] = failed
+    figures = {f"{c.get('classname')}::{c.get('name')}": {p.get("name"): p.get("value") for p in c.iter("property")}
+               for s in suites for c in s.iter("testcase") if c.find("properties") is not None}
+    if figures:
+        counts["figures"] = figures  # record_property values (e.g. the memory soak's drift)
     return counts
 
 

@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 JUNIT = """<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">
 <testcase classname="tests.gpu.a" name="ok"/><testcase classname="tests.gpu.a" name="bad"><failure/></testcase>
-<testcase classname="tests.gpu.a" name="skip"><skipped/></testcase><testcase classname="tests.gpu.a" name="ok2"/>
+<testcase classname="tests.gpu.a" name="skip"><skipped/></testcase><testcase classname="tests.gpu.a" name="ok2">
+<properties><property name="allocated_drift_bytes" value="0"/></properties></testcase>
 </testsuite></testsuites>"""
 
 
@@ -27,5 +28,6 @@ def test_counts_junit_and_fuzz_lines(tmp_path):
     runs = json.loads(done.stdout)["frontends"]
     assert runs["1.32.0"]["passed"] == 2 and runs["1.32.0"]["failures"] == 1
     assert runs["1.32.0"]["failed_tests"] == ["tests.gpu.a::bad"]
+    assert runs["1.32.0"]["figures"] == {"tests.gpu.a::ok2": {"allocated_drift_bytes": "0"}}
     assert runs["1.32.0"]["fuzz_configs"] == {"dense": {"ok": 3, "FAIL": 1}, "varlen": {"ok": 1}}
     assert runs["1.28.0"] == {"fuzz_configs": {"varlen": {"ok": 1}}}

@@ -307,7 +307,7 @@ def test_no_host_syncs_in_steady_state():
 
 
 @pytest.mark.slow
-def test_memory_flat_over_5000_calls_and_200_shapes():
+def test_memory_flat_over_5000_calls_and_200_shapes(record_property):
     graphs.set_capacity(512)
     try:
         gen = torch.Generator(device=DEV).manual_seed(7)
@@ -327,6 +327,9 @@ def test_memory_flat_over_5000_calls_and_200_shapes():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         allocated1, free1 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+        # the figures, for the run's record (junit properties; scripts/gpu_summary.py lists them)
+        record_property("allocated_drift_bytes", allocated1 - allocated0)
+        record_property("device_free_drift_bytes", free0 - free1)
         assert allocated1 <= allocated0 * 1.01 + (1 << 20), (allocated0, allocated1)
         total = torch.cuda.mem_get_info()[1]
         assert free0 - free1 <= 0.01 * (total - free0) + (64 << 20), (free0, free1)
