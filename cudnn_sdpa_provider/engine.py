@@ -570,10 +570,10 @@ def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seql
 
 
 def token_bucket(n: int) -> int:
-    """Round a token count up to one of 8 steps per power of two (at least 64): a bound close to
-    ``n`` (at most 1/8 over) that lets one graph serve many batch totals."""
+    """Round a token count up to one of 16 steps per power of two (steps of at least 64): a bound
+    close to ``n`` (at most 1/16 over) that lets one graph serve many batch totals."""
     n = max(int(n), 1)
-    step = max(64, 1 << max(n.bit_length() - 4, 0))
+    step = max(64, 1 << max(n.bit_length() - 5, 0))
     return -(-n // step) * step
 
 
@@ -581,10 +581,13 @@ def _max_total(caps, tokens_q: int, tokens_kv: int, batch: int, s_q: int, s_kv: 
     """``max_total_seq_len_q/kv`` for a ragged backward, or None to leave them unset.
 
     Without them cuDNN sizes the dQ accumulator (fp32) for the nominal B x S_max tokens; with
-    them, for the packed total: 160 MiB less at the bench's varlen mix (T = 42052 tokens, bound
-    45056, in 16 sequences of up to 4092, nominal 16 x 4096). The tokens of the packed buffers bound the real totals (host ints,
-    no sync), capped at the nominal size. The frontend warns of known problems with head dims not
-    a multiple of 16 and with pre-Hopper (Ampere-style) kernels: there they stay unset."""
+    them, for the packed total. Measured on the H200 (runs 17-18 of results/gpu-runs.md) at the
+    bench's varlen mix (T = 42052 tokens, bound 43008, 16 sequences of up to 4092, nominal
+    16 x 4096): peak memory of forward+backward 1181 -> 1003 MiB (FlashAttention varlen: 1009),
+    at the price of ~5% backward time (4.89 -> 5.15 ms a forward+backward, still 1.34x
+    FlashAttention's). The tokens of the packed buffers bound the real totals (host ints, no sync),
+    capped at the nominal size. The frontend warns of known problems with head dims not a
+    multiple of 16 and with pre-Hopper (Ampere-style) kernels: there they stay unset."""
     if caps.compute_capability is None or caps.compute_capability < (9, 0) or d_qk % 16 or d_v % 16:
         return None
     bounds = (min(token_bucket(tokens_q), batch * s_q), min(token_bucket(tokens_kv), batch * s_kv))
