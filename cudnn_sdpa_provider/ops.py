@@ -372,47 +372,46 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 # ------------------------------------------------------------------------------- eager autograd
 
 
-class DenseFunction(torch.autograd.Function):
+def _eager_function(name: str, fwd: dict, setup_context, grads, bwd: dict, doc: str):
+    """An autograd.Function over one op pair's kernels ({device type: kernel}), with the custom
+    op's own setup_context and backward, so both ways in compute and count the same."""
+
+    def forward(ctx, *inputs):
+        output = fwd[inputs[0].device.type](*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        return grads(ctx, grad_out, bwd[grad_out.device.type])
+
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "__module__": __name__,
+                                                    "forward": staticmethod(forward),
+                                                    "backward": staticmethod(backward)})
+
+
+DenseFunction = _eager_function(
+    "DenseFunction", {"cuda": _dense_fwd_cuda, "cpu": _dense_fwd_cpu}, _dense_setup_context, _dense_grads,
+    {"cuda": _dense_bwd_cuda, "cpu": _dense_bwd_cpu},
     """The dense op pair without the custom-op machinery, for eager calls on plain tensors: the
     same kernels, contexts and counters, at a fraction of the host cost (the custom op's Python
-    autograd wrapper and two redispatches cost ~200 us per forward+backward on an H200 host:
-    docs/performance-notes.md). ``functional.attention`` picks it when nothing traces the call."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        kernel = _dense_fwd_cuda if inputs[0].device.type == "cuda" else _dense_fwd_cpu
-        output = kernel(*inputs)
-        _dense_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        return _dense_grads(ctx, grad_out, _dense_bwd_cuda if grad_out.device.type == "cuda" else _dense_bwd_cpu)
-
-
-class VarlenFunction(torch.autograd.Function):
-    """``DenseFunction``'s packed counterpart (``cudnn_sdpa::varlen_fwd`` / ``varlen_bwd``)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        kernel = _varlen_fwd_cuda if inputs[0].device.type == "cuda" else _varlen_fwd_cpu
-        output = kernel(*inputs)
-        _varlen_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        return _varlen_grads(ctx, grad_out, _varlen_bwd_cuda if grad_out.device.type == "cuda" else _varlen_bwd_cpu)
+    autograd wrapper and two redispatches cost ~500 us per forward+backward on the H200 host of
+    run 12: docs/performance-notes.md). ``functional.attention`` picks it when nothing traces the
+    call (``eager``).""")
+VarlenFunction = _eager_function(
+    "VarlenFunction", {"cuda": _varlen_fwd_cuda, "cpu": _varlen_fwd_cpu}, _varlen_setup_context, _varlen_grads,
+    {"cuda": _varlen_bwd_cuda, "cpu": _varlen_bwd_cpu},
+    """``DenseFunction``'s packed counterpart (``cudnn_sdpa::varlen_fwd`` / ``varlen_bwd``).""")
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # nn.Parameter: e.g. gpt-oss's sinks
 
 
 def eager(*tensors) -> bool:
-    """Whether a call on these tensors may take the eager Functions: plain tensors, nothing
-    compiling, tracing, or transforming it (those see the custom ops, with their fake kernels)."""
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+    """Whether a call on these tensors (the first one is q) may take the eager Functions: plain
+    CUDA or CPU tensors, nothing compiling, tracing, or transforming it (those, and meta tensors,
+    see the custom ops, with their fake kernels)."""
+    return (tensors[0].device.type in ("cuda", "cpu") and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()
             and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
             and all(t is None or type(t) in _PLAIN for t in tensors))

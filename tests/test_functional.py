@@ -411,6 +411,9 @@ def test_eager_only_for_plain_tensors_outside_tracing():
     q = torch.randn(1, 2, 4, 8)
     assert ops.eager(q, None, q, torch.nn.Parameter(torch.zeros(2)))
     assert not ops.eager(q, q.as_subclass(_Subclass))
+    assert not ops.eager(q.to("meta"))
+    meta = torch.empty(1, 2, 4, 8, device="meta")
+    assert csp.attention(meta, meta, meta).shape == (1, 2, 4, 8)  # the fake kernel, through the custom op
     with Mode():
         assert not ops.eager(q)
     assert torch.func.vmap(lambda x: torch.tensor(ops.eager(x)))(q).all().item() is False
