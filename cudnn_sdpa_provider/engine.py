@@ -260,8 +260,9 @@ def _same_lengths(a, b) -> bool:
 def _alignment(bottom_right: bool, *same) -> bool:
     """``bottom_right``, unless every sequence has as many keys as queries (each pair in ``same``
     is the same): then bottom-right and top-left are the same mask, and top-left is what cuDNN
-    runs fastest (bottom-right over ragged varlen inputs cost ~1.3x forward, ~1.9x backward on the
-    H200 in run 12 of results/gpu-runs.md: masked tiles were not skipped)."""
+    runs fastest (with bottom-right, the varlen bench's forward+backward took 7.24 ms against
+    4.79 ms with top-left on the H200: runs 15 and 16 of results/gpu-runs.md; masked tiles were
+    not skipped)."""
     return bottom_right and not all(_same_lengths(a, b) for a, b in same)
 
 
@@ -584,7 +585,7 @@ def _max_total(caps, tokens_q: int, tokens_kv: int, batch: int, s_q: int, s_kv: 
     them, for the packed total. Measured on the H200 (runs 17-18 of results/gpu-runs.md) at the
     bench's varlen mix (T = 42052 tokens, bound 43008, 16 sequences of up to 4092, nominal
     16 x 4096): peak memory of forward+backward 1181 -> 1003 MiB (FlashAttention varlen: 1009),
-    at the price of ~5% backward time (4.89 -> 5.15 ms a forward+backward, still 1.34x
+    at the price of ~5% of forward+backward time (4.89 -> 5.15 ms, still 1.34x
     FlashAttention's). The tokens of the packed buffers bound the real totals (host ints, no sync),
     capped at the nominal size. The frontend warns of known problems with head dims not a
     multiple of 16 and with pre-Hopper (Ampere-style) kernels: there they stay unset."""
