@@ -190,9 +190,17 @@ def main() -> int:
             state = "skipped: " + c["skipped"] if "skipped" in c else ("ok" if c["ok"] else "FAILED")
             print(f"rank 0 {name}: {state}" + "".join(f"\n  {p}" for p in c.get("problems", [])))
         print(f"all ranks: {'ok' if ok.item() else 'FAILED'} (per-rank JSON in {args.out})")
+    code = 0 if ok.item() else 1
+    dist.barrier()  # every rank done with its collectives before any tears its process group down
     dist.destroy_process_group()
-    return 0 if ok.item() else 1
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Results are written and reduced by now. Leave without the interpreter's teardown: on the CI
+    # machine (torch 2.13 CPU, gloo) rank 0 aborted there in about 1 of 5 runs ("terminate called
+    # without an active exception", after "all ranks: ok"), which failed a run whose checks passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
