@@ -1,156 +1,110 @@
 """Turning the provider on and off: process-wide, nestable, exception-safe, restored exactly.
 
-``enable()`` activates at once and returns an ``Activation``; used as a context manager it is
-removed on exit, used as a plain call it stays until ``disable()`` (or its ``remove()``). While
-any activation is live the provider's kernels are registered (``overrides.Hooks``), cuDNN SDPA
-is enabled and first in PyTorch's SDPA priority; when the last one goes, the forward hooks are
-removed and the SDPA flags and priority are restored to what they were. The backward hooks stay
-while a forward served inside the scope can still be differentiated (``markers``).
+``enable()`` activates at once and returns an ``Activation`` (``scope``); used as a context manager
+it is removed on exit, used as a plain call it stays until ``disable()`` (or its ``remove()``).
+While any activation is live the provider's kernels are registered (``overrides.Hooks``) and cuDNN
+is first in PyTorch's SDPA priority (``backends``; the user's enabled/disabled backend flags are
+never touched). When the last one goes, the forward hooks are removed and the priority order is
+restored to exactly what PyTorch would have had. The backward hooks stay while a forward served
+inside the scope can still be differentiated (``markers``). Strictness is per thread/task
+(``scope``).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import threading
 
 import torch
 
-from . import markers
+from . import backends, markers, scope
+from .scope import Activation
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
 __all__ = ["Activation", "enable", "disable", "enabled", "strict", "coexistence"]
 
-_lock = threading.RLock()
-_stack: list["Activation"] = []
 _hooks = None  # overrides.Hooks, created on first enable
-_saved_sdp: tuple | None = None
+_priority = backends.PriorityGuard()
 _reported: set = set()
 
-_CUDNN = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
 
-
-class Activation:
-    """One ``enable()``; ``remove()`` (or leaving the ``with`` block) undoes exactly this one."""
-
-    __slots__ = ("strict", "_live")
-
-    def __init__(self, strict: bool):
-        self.strict = strict
-        self._live = True
-
-    def __enter__(self) -> "Activation":
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self.remove()
-        return False
-
-    @property
-    def active(self) -> bool:
-        return self._live
-
-    def remove(self) -> None:
-        with _lock:
-            if self._live:
-                self._live = False
-                _stack.remove(self)
-                _sync()
-
-    def __repr__(self) -> str:
-        return f"Activation(strict={self.strict}, active={self._live})"
-
-
-def enable(strict: bool = False) -> Activation:
+def enable(strict: bool = False, *, process_wide: bool = False) -> Activation:
     """Route attention to cuDNN graphs until the returned activation is removed.
 
-    ``strict=True`` raises ``FallbackError`` wherever a call would fall back.
+    ``strict=True`` raises ``FallbackError`` wherever a call made in this thread/task would fall
+    back (other threads keep their own strictness). ``process_wide=True`` (the environment variable
+    and the CLI use it) makes the strictness the default of every thread without its own scope.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool (True or False), got {type(strict).__name__}")
-    activation = Activation(strict)
-    with _lock:
-        _stack.append(activation)
+    if not isinstance(process_wide, bool):
+        raise TypeError(f"process_wide must be a bool (True or False), got {type(process_wide).__name__}")
+    activation = Activation(strict, process_wide, on_remove=_sync)
+    with scope.lock:
+        scope.push(activation)
         try:
             _sync()
         except BaseException:
-            activation._live = False
-            _stack.remove(activation)
+            scope.remove(activation)
             raise
     return activation
 
 
 def disable() -> bool:
     """Undo the most recent live ``enable()``; returns False when nothing was enabled."""
-    with _lock:
-        if not _stack:
+    with scope.lock:
+        live = scope.live()
+        if not live:
             return False
-        _stack[-1].remove()
+        live[-1].remove()
         return True
 
 
 def enabled() -> bool:
-    return bool(_stack)
+    return scope.enabled()
 
 
 def strict() -> bool:
-    """Strictness of the innermost live activation (False when disabled)."""
-    stack = _stack
-    return bool(stack) and stack[-1].strict
+    """Strictness of a call made now in this thread/task (``scope.strict``)."""
+    return scope.strict()
 
 
 def _sync() -> None:
     global _hooks
-    if _stack:
-        if _hooks is None:
-            from .overrides import Hooks
+    with scope.lock:
+        if scope.enabled():
+            if _hooks is None:
+                from .overrides import Hooks
 
-            _hooks = Hooks()
-        if not _hooks.forward_active:
-            _save_and_prioritise_cudnn()
-            _hooks.install_forward()
-            _hooks.install_backward()
-            _report_coexistence()
-    elif _hooks is not None and _hooks.forward_active:
-        _hooks.remove_forward()
-        _restore_sdp()
-        _maybe_remove_backward()
+                _hooks = Hooks()
+            if not _hooks.forward_active:
+                _priority.apply()
+                _hooks.install_forward()
+                _hooks.install_backward()
+                _report_coexistence()
+        elif _hooks is not None and _hooks.forward_active:
+            _hooks.remove_forward()
+            _priority.restore()
+            _maybe_remove_backward()
 
 
 def _maybe_remove_backward() -> None:
-    with _lock:
-        if not _stack and _hooks is not None and _hooks.backward_active and markers.pending() == 0:
+    with scope.lock:
+        if not scope.enabled() and _hooks is not None and _hooks.backward_active and markers.pending() == 0:
             _hooks.remove_backward()
 
 
 markers.on_empty(_maybe_remove_backward)
 
 
-def _save_and_prioritise_cudnn() -> None:
-    global _saved_sdp
-    _saved_sdp = (torch.backends.cuda.cudnn_sdp_enabled(), list(torch._C._get_sdp_priority_order()))
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    order = [_CUDNN] + [b for b in _saved_sdp[1] if b != _CUDNN]
-    torch._C._set_sdp_priority_order(order)
-
-
-def _restore_sdp() -> None:
-    global _saved_sdp
-    if _saved_sdp is not None:
-        enabled_before, order = _saved_sdp
-        torch.backends.cuda.enable_cudnn_sdp(enabled_before)
-        torch._C._set_sdp_priority_order(order)
-        _saved_sdp = None
-
-
 def coexistence() -> list[tuple[str, str]]:
     """Problems that keep the provider from seeing or serving attention, as (slug, message)."""
     found = []
-    saved = _saved_sdp[0] if _saved_sdp is not None else torch.backends.cuda.cudnn_sdp_enabled()
-    if not saved:
-        found.append(("cudnn_sdp_disabled", "cuDNN SDPA is disabled process-wide "
-                      "(torch.backends.cuda.enable_cudnn_sdp(False)); the provider enables it while active"))
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        found.append(("cudnn_sdp_disabled", "cuDNN SDPA is disabled (torch.backends.cuda.enable_cudnn_sdp(False) or "
+                      "sdpa_kernel without CUDNN_ATTENTION); F.sdpa calls then run elsewhere, counted "
+                      "backend_disabled"))
     try:
         impl = torch.nn.attention.current_flash_attention_impl()
     except Exception:

@@ -6,6 +6,9 @@ so torch.compile neither recompiles nor under-counts compiled regions because of
 ``stats().to_dict()`` is exactly::
 
     {"dense_fwd": {"served": int, "fallback": {reason_slug: int, ...}}, ... all four paths ...}
+
+In strict mode a refused call is counted in ``fallback[reason]`` (it did not run on cuDNN, and the
+slug says why) and also in ``stats().refused``, so an audit shows what was refused and why.
 """
 
 from __future__ import annotations
@@ -24,17 +27,22 @@ log = logging.getLogger("cudnn_sdpa_provider")
 _lock = threading.Lock()
 _served = {p: 0 for p in PATHS}
 _fallback: dict[str, dict[str, int]] = {p: {} for p in PATHS}
+_refused: dict[str, dict[str, int]] = {p: {} for p in PATHS}
 _plans: dict[str, str] = {}
 _logged: set = set()
 
 
-def record(path: str, reason: str | None = None) -> None:
-    """Count one call on ``path``: served when ``reason`` is None, else a fallback for ``reason``."""
+def record(path: str, reason: str | None = None, refused: bool = False) -> None:
+    """Count one call on ``path``: served when ``reason`` is None, else a fallback for ``reason``
+    (``refused``: strict mode raised instead of falling back; counted in both)."""
     with _lock:
         if reason is None:
             _served[path] += 1
-        else:
-            bucket = _fallback[path]
+            return
+        bucket = _fallback[path]
+        bucket[reason] = bucket.get(reason, 0) + 1
+        if refused:
+            bucket = _refused[path]
             bucket[reason] = bucket.get(reason, 0) + 1
 
 
@@ -60,36 +68,56 @@ class Stats:
     served: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: 0 for p in PATHS}))
     fallback: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: MappingProxyType({}) for p in PATHS}))
     plans: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    refused: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: MappingProxyType({}) for p in PATHS}))
 
     def to_dict(self) -> dict:
         return {p: {"served": int(self.served[p]), "fallback": dict(self.fallback[p])} for p in PATHS}
 
+    def refused_dict(self) -> dict:
+        """{path: {reason: n}} of the calls strict mode refused (paths with none are left out)."""
+        return {p: dict(self.refused[p]) for p in PATHS if self.refused[p]}
+
     def total(self, path: str) -> int:
-        return int(self.served[path]) + sum(self.fallback[path].values())
+        """Calls on ``path`` (one of ``PATHS``), served or not."""
+        return int(self.served[_path(path)]) + sum(self.fallback[path].values())
 
     def fallbacks(self, path: str) -> int:
-        return sum(self.fallback[path].values())
+        return sum(self.fallback[_path(path)].values())
 
     def diff(self, earlier: "Stats") -> "Stats":
         if not isinstance(earlier, Stats):
             raise TypeError(f"can only subtract Stats, got {type(earlier).__name__}")
         served = {p: self.served[p] - earlier.served[p] for p in PATHS}
-        fallback = {}
-        for p in PATHS:
-            mine, theirs = self.fallback[p], earlier.fallback[p]
-            delta = {r: mine.get(r, 0) - theirs.get(r, 0) for r in set(mine) | set(theirs)}
-            fallback[p] = MappingProxyType({r: n for r, n in delta.items() if n})
-        return Stats(MappingProxyType(served), MappingProxyType(fallback), self.plans)
+        return Stats(MappingProxyType(served), _delta(self.fallback, earlier.fallback), self.plans,
+                     _delta(self.refused, earlier.refused))
 
     __sub__ = diff
 
     def rows(self) -> list[tuple[str, int, int, str]]:
-        """(path, served, fallback total, 'reason=n, ...') per path: the data of ``report()``."""
+        """(path, served, fallback total, 'reason=n, ...') per path: the data of ``report()``; a
+        reason strict mode refused reads 'reason=n (refused m)'."""
         out = []
         for p in PATHS:
-            reasons = ", ".join(f"{r}={n}" for r, n in sorted(self.fallback[p].items(), key=lambda x: (-x[1], x[0])))
+            items = sorted(self.fallback[p].items(), key=lambda x: (-x[1], x[0]))
+            refused = self.refused[p]
+            reasons = ", ".join(f"{r}={n}" + (f" (refused {refused[r]})" if refused.get(r) else "") for r, n in items)
             out.append((p, int(self.served[p]), self.fallbacks(p), reasons or "-"))
         return out
+
+
+def _path(path: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; valid paths: {list(PATHS)}")
+    return path
+
+
+def _delta(mine_all, theirs_all) -> MappingProxyType:
+    out = {}
+    for p in PATHS:
+        mine, theirs = mine_all[p], theirs_all[p]
+        delta = {r: mine.get(r, 0) - theirs.get(r, 0) for r in set(mine) | set(theirs)}
+        out[p] = MappingProxyType({r: n for r, n in delta.items() if n})
+    return MappingProxyType(out)
 
 
 def stats() -> Stats:
@@ -97,8 +125,9 @@ def stats() -> Stats:
     with _lock:
         served = MappingProxyType(dict(_served))
         fallback = MappingProxyType({p: MappingProxyType(dict(_fallback[p])) for p in PATHS})
+        refused = MappingProxyType({p: MappingProxyType(dict(_refused[p])) for p in PATHS})
         plans = MappingProxyType(dict(_plans))
-    return Stats(served, fallback, plans)
+    return Stats(served, fallback, plans, refused)
 
 
 def reset_stats() -> None:
@@ -107,6 +136,7 @@ def reset_stats() -> None:
         for p in PATHS:
             _served[p] = 0
             _fallback[p] = {}
+            _refused[p] = {}
 
 
 def format_table(s: Stats) -> str:

@@ -5,13 +5,14 @@ Everything returns data (strings, lists of tuples, dicts); only ``cli`` prints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 from typing import NamedTuple
 
 import torch
 
-from . import activation, counters, engine, support
+from . import activation, arguments, counters, machine, route, support
 from .reasons import Reason
 
 __all__ = ["report", "explain", "DoctorRow", "doctor_rows", "feature_rows", "self_test"]
@@ -19,43 +20,57 @@ __all__ = ["report", "explain", "DoctorRow", "doctor_rows", "feature_rows", "sel
 
 def report(snapshot: "counters.Stats | None" = None) -> str:
     """The telemetry as a table: path x served / fallback (with reasons), and the plans used."""
+    if snapshot is not None and not isinstance(snapshot, counters.Stats):
+        raise TypeError(f"report() takes a Stats snapshot (csp.stats()) or nothing, got {type(snapshot).__name__}")
     return counters.format_table(snapshot if snapshot is not None else counters.stats())
 
 
 def explain(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, window=(-1, -1), bottom_right=False,
-            sinks=None, seq_lens_q=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_kv=None,
-            deterministic=None, through_sdpa=True) -> dict[str, list[Reason]]:
+            sinks=None, scale=None, seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+            max_seqlen_q=None, max_seqlen_kv=None, deterministic=None, through_sdpa=True,
+            device=None) -> dict[str, list[Reason]]:
     """The reasons a call would get, forward and backward, without running it.
 
-    Dense (B, H, S, D) or, with ``cu_seqlens_q``, packed (T, H, D). ``through_sdpa=True``
-    (default) describes an F.scaled_dot_product_attention / varlen_attn call, which the provider
-    only sees while enabled; ``False`` describes a direct ``attention()`` call.
+    Takes ``csp.attention``'s keywords (dense (B, H, S, D) or, with ``cu_seqlens_q``, packed
+    (T, H, D)) plus F.sdpa's ``attn_mask``. ``through_sdpa=True`` (default) describes an
+    F.scaled_dot_product_attention / varlen_attn call, which the provider only sees while enabled;
+    ``False`` describes a direct ``attention()`` call. ``device`` answers for another machine: a
+    ``support.Capabilities`` or ``{"compute_capability": (9, 0), "cudnn_version": "9.19.0"}`` (the
+    inputs are then taken as if they were on that CUDA device; meta tensors work).
     Returns ``{"dense_fwd": [...], "dense_bwd": [...]}`` (or the varlen paths); empty = served.
     """
-    from .functional import _check_common
-
-    _check_common(q, k, v, sinks, 3 if cu_seqlens_q is not None else 4)
+    packed = cu_seqlens_q is not None
+    arguments.common(q, k, v, sinks, 3 if packed else 4)
     window = support.canonical_window(is_causal, window)
-    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
-    if cu_seqlens_q is not None:
+    arguments.flag("bottom_right", bottom_right)
+    arguments.scale(scale, q.shape[-1])
+    dropout_p = arguments.dropout(dropout_p)
+    det = torch.are_deterministic_algorithms_enabled() if deterministic is None else arguments.flag(
+        "deterministic", deterministic)
+    caps = machine.describe_device(device) if device is not None else None
+    device_type = "cuda" if caps is not None else q.device.type
+    if packed:
+        cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+        if cu_seqlens_kv is not None:
+            arguments.cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, q.device)
         if max_seqlen_q is None or max_seqlen_kv is None:
             raise ValueError("explain() of a packed call needs max_seqlen_q and max_seqlen_kv")
-        problems = [
-            engine.varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, backward=b, window=window,
-                                  bottom_right=bottom_right, sinks=sinks is not None, deterministic=det)
-            for b in (False, True)
-        ]
+        problems = [route.varlen_problem(q, k, v, cu_q, arguments.max_seqlen("max_seqlen_q", max_seqlen_q),
+                                         arguments.max_seqlen("max_seqlen_kv", max_seqlen_kv), backward=b,
+                                         window=window, bottom_right=bottom_right, sinks=sinks is not None,
+                                         deterministic=det) for b in (False, True)]
+        if dropout_p:
+            problems = [dataclasses.replace(p, dropout_p=dropout_p) for p in problems]
     else:
-        problems = [
-            engine.dense_problem(q, k, v, backward=b, window=window, bottom_right=bottom_right,
-                                 sinks=sinks is not None, bias=attn_mask, dropout_p=dropout_p,
-                                 padded=seq_lens_q is not None, deterministic=det)
-            for b in (False, True)
-        ]
-    caps = support.capabilities(q.device.index if q.device.type == "cuda" else None)
+        if (seq_lens_q is None) != (seq_lens_kv is None) and seq_lens_kv is not None:
+            raise ValueError("pass seq_lens_q together with seq_lens_kv (padded batches), or neither")
+        problems = [route.dense_problem(q, k, v, backward=b, window=window, bottom_right=bottom_right,
+                                        sinks=sinks is not None, bias=attn_mask, dropout_p=dropout_p,
+                                        padded=seq_lens_q is not None, deterministic=det) for b in (False, True)]
+    problems = [dataclasses.replace(p, device_type=device_type) for p in problems]
     result = {}
     for p in problems:
-        found = support.reasons(p, caps)
+        found = route.reasons_for(p, q.device.index if q.device.type == "cuda" else None, caps=caps)
         if through_sdpa and not activation.enabled():
             found.insert(0, Reason("not_enabled", "the provider is not enabled (csp.enable() or CUDNN_SDPA_PROVIDER=1)"))
         result[p.path] = found
@@ -127,7 +142,7 @@ FEATURES = (
 
 def feature_rows(caps: support.Capabilities | None = None) -> list[DoctorRow]:
     """One row per feature: served on this machine, or the reason it is not."""
-    caps = caps if caps is not None else support.capabilities()
+    caps = caps if caps is not None else machine.capabilities()
     rows = []
     for name, problem in FEATURES:
         if problem.deterministic:
@@ -175,7 +190,7 @@ def self_test(device: int | None = None) -> list[DoctorRow]:
 
 
 def doctor_rows(run_self_test: bool = True) -> list[DoctorRow]:
-    caps = support.capabilities()
+    caps = machine.capabilities()
     rows = _versions(caps)
     rows += feature_rows(caps) if caps.cuda else [DoctorRow("features", "all", False, "no: no_cuda (no CUDA device)")]
     for slug, message in activation.coexistence():

@@ -50,17 +50,18 @@ OTHER_SOURCES = {
     "no_cuda": "also the CPU kernels of the `cudnn_sdpa::*` ops (`csp.attention` on CPU tensors, "
                "which run the composite) and the counted CPU SDPA kernel.",
     "cudnn_unavailable": "also `graphs` when nvidia-cudnn-frontend cannot be imported at graph-build time.",
-    "dropout": "also an SDPA call with `return_debug_mask=True` (the dropout debug mask).",
-    "graph_not_supported": "`graphs`: cuDNN rejected the graph while validating or building it.",
-    "paged_kv": "`overrides`: a varlen_attn call with `seqused_k` / `block_table`.",
+    "graph_not_supported": "`route.call`: cuDNN rejected the graph while validating or building it.",
     "softcap": "`integrations.transformers`: a layer with attention logit soft-capping (Gemma 2).",
     "rank": "`overrides`: an F.sdpa call on CUDA tensors that are not 4-D (PyTorch's math route).",
     "deterministic_workspace": "`support.reasons()` after every rule passed: a deterministic backward on "
                                "sm_90 with cuDNN < 9.25 whose workspace exceeds the limit "
                                "(CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB, default half the free "
                                "device memory).",
-    "torch_selection": "`overrides`: PyTorch's selector sent an F.sdpa call to flash, efficient, math or the "
-                       "CPU kernel although no rule rejects it; the call is counted and runs there.",
+    "torch_selection": "`route.elsewhere`: PyTorch's selector sent an F.sdpa call to flash, efficient, math or "
+                       "the CPU kernel although no rule rejects it; the call is counted and runs there.",
+    "backend_disabled": "`route.elsewhere`: as `torch_selection`, while the user's own flags "
+                        "(`sdpa_kernel`, `enable_cudnn_sdp(False)`) exclude cuDNN. `enable()` never changes them.",
+    "unsupported_argument": "also an F.sdpa call with `return_debug_mask=True` (before 0.2: `dropout`).",
 }
 
 #: What the constants in ``support`` mean (values are read from the module; a constant missing
@@ -74,7 +75,7 @@ _CONSTANTS = {
     "ZERO_LENGTH_OK": "from here cuDNN itself gives 0 (not NaN) for queries with no keys; before it the "
                       "provider zeroes those rows",
     "DROPOUT_BROKEN": "dropout is broken from the first version up to, not including, the second; dropout "
-                      "calls there fall back with `cudnn_version`",
+                      "calls there fall back with `cudnn_bug`",
     "MAX_HEAD_DIM": "largest head dimension (multiples of 8)",
     "MAX_HEAD_DIM_BWD_PRE_HOPPER": "largest head dimension of a backward before Hopper (sm_80, sm_86, sm_89)",
     "INT32_MAX": "largest packed extent (elements) cuDNN's int32 ragged offsets can address",

@@ -144,7 +144,8 @@ def backend_info() -> tuple[str | None, int | None, str | None]:
     frontend = getattr(cudnn, "__version__", None)
     if not torch.backends.cudnn.is_available():
         # Do not let the frontend dlopen a library torch could not load: a partial cuDNN
-        # install aborts the process on the first backend call (FACTS.md 3).
+        # install (a stub libcudnn.so.9 without its sub-libraries) aborts the process on the
+        # first backend call.
         return frontend, None, "PyTorch cannot load a cuDNN library on this machine"
     try:
         return frontend, int(cudnn.backend_version()), None
@@ -204,9 +205,9 @@ def set_capacity(n: int) -> None:
 
 
 def fast_get(signature: tuple):
-    """The fast-path entry for a call signature (a tuple of shapes, strides, dtypes and options
-    that is cheap to build), or None. Entries hold their built graph; the cache is bounded like
-    the graph cache, so an evicted graph is never kept alive by it for long."""
+    """The binding (``binding.Binding``) for a call signature, or None. Bindings hold their built
+    graph; the cache is bounded like the graph cache, so an evicted graph is never kept alive by it
+    for long."""
     return _state()["fast"].get(signature)
 
 
@@ -274,14 +275,13 @@ def ordered_execute(version: str | None) -> bool:
 _ORDERED = ordered_execute(getattr(cudnn, "__version__", None))
 
 
-def execute(p: Plan, buffers: dict, device: int, stream: int) -> None:
-    """Run ``p`` on ``buffers`` ({UID: tensor}) on the given CUDA stream handle.
+def execute(p: Plan, uids: tuple, buffers: tuple, device: int, stream: int) -> None:
+    """Run ``p`` on ``buffers`` (tensors, in the order of ``uids``) on the given CUDA stream handle.
 
-    Host cost (docs/performance-notes.md): the handle (this thread's, per device) is re-bound only
-    when the stream changes (frontend 1.32's ``set_stream`` skips an unchanged stream itself; 1.28's
-    does not), and frontends 1.31+ get ordered buffers with ``tensor_uids``, which skips their
-    mapping normalisation (12.1 against 16.2 us a call on the H200 host of run 12 of
-    results/gpu-runs.md; the clean 630-configuration fuzz of run 13 ran with it)."""
+    The handle (this thread's, per device) is re-bound only when the stream changes (frontend
+    1.32's ``set_stream`` skips an unchanged stream itself; 1.28's does not). Frontends 1.31+ take
+    the buffers in order with ``tensor_uids``, which skips their mapping normalisation; older ones
+    get the mapping. A binding keeps ``uids`` fixed, so order and tensors always correspond."""
     state = _state()
     handle = _handle(device)
     if state["streams"].get(device) != stream:
@@ -289,9 +289,9 @@ def execute(p: Plan, buffers: dict, device: int, stream: int) -> None:
         state["streams"][device] = stream
     workspace = torch.empty(p.workspace, dtype=torch.uint8, device=torch.device("cuda", device)) if p.workspace else None
     if _ORDERED:
-        p.graph.execute(tuple(buffers.values()), workspace, handle=handle, tensor_uids=tuple(map(int, buffers)))
+        p.graph.execute(buffers, workspace, handle=handle, tensor_uids=uids)
     else:
-        p.graph.execute(buffers, workspace, handle=handle)
+        p.graph.execute(dict(zip(uids, buffers)), workspace, handle=handle)
 
 
 # --------------------------------------------------------------------------------- graph builds

@@ -6,29 +6,37 @@ strides the real kernel returns:
 * dense ``O`` follows ``q``'s dimension order (the rule of aten's meta kernel for
   ``_scaled_dot_product_cudnn_attention``, so the provider's overrides match compiled code);
 * dense ``dQ/dK/dV`` are ``empty_like(q/k/v)`` (aten's backward meta rule);
-* varlen outputs are packed and contiguous.
+* packed (varlen) ``O`` is ``empty_like(q)`` (``q``'s dimension order when D_v differs) and
+  ``dQ/dK/dV`` are ``empty_like(q/k/v)``: what FlashAttention's varlen kernels return, so
+  ``varlen_attn`` gives native's strides with and without the provider.
 
 cuDNN itself needs more than any layout: the innermost (head-dim) stride must be 1 and the base
-pointer and every stride 16-byte aligned, otherwise it reads the wrong elements silently
-(FACTS.md 3). ``usable`` checks that, ``repaired`` copies an operand that fails it. Where the
-policy's output layout is not usable (a head dim that is not innermost), the kernel computes into
-a usable buffer and copies into the policy's layout; that choice again depends only on strides.
+pointer and every stride 16-byte aligned, otherwise it reads the wrong elements silently (seen on
+sm_90). ``usable`` checks that, ``repaired`` copies an operand that fails it. Packed operands are
+stricter (``packed_usable``): cuDNN reads them in place only when they are contiguous (T, H, D),
+the layout of cuDNN's own ragged samples; a view of a fused QKV buffer or a head-dim slice is
+copied (a fused (T, 3, H, D) view crashed cuDNN's ragged kernels with CUDA error 715, a sliced q
+gave a wrong dQ: issue #14). Where the policy's output layout is not what cuDNN can write, the
+kernel computes into a contiguous buffer and copies into the policy's layout; that choice again
+depends only on strides.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["dense_out", "grad_like", "packed", "usable", "repaired", "strides_usable"]
+__all__ = ["ALIGN", "dense_out", "packed_out", "grad_like", "packed", "usable", "packed_usable", "repaired",
+           "packed_repaired", "strides_usable"]
 
-_ALIGN = 16
+ALIGN = _ALIGN = 16
 
 
 def _matching_strides(ref_strides, shape) -> list[int]:
     # aten/_meta_registrations.py alloc_with_matching_layout: order dims by the reference's
     # strides, largest first (Python's sort is stable, so ties keep dim order).
-    order = sorted(range(4), key=lambda i: ref_strides[i], reverse=True)
-    strides = [0] * 4
+    n = len(shape)
+    order = sorted(range(n), key=lambda i: ref_strides[i], reverse=True)
+    strides = [0] * n
     running = 1
     for i in reversed(order):
         strides[i] = running
@@ -38,6 +46,15 @@ def _matching_strides(ref_strides, shape) -> list[int]:
 
 def dense_out(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     """Output of shape (B, H, S_q, D_v) in ``q``'s dimension order (aten's meta rule)."""
+    dtype = q.dtype if dtype is None else dtype
+    if tuple(q.shape) == tuple(shape):
+        return torch.empty_like(q, dtype=dtype)
+    return torch.empty_strided(tuple(shape), _matching_strides(q.stride(), shape), dtype=dtype, device=q.device)
+
+
+def packed_out(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    """Packed output (T, H_q, D_v): ``empty_like(q)`` when the shapes agree (FlashAttention's
+    rule; a q that is not dense gives a contiguous output), else in q's dimension order."""
     dtype = q.dtype if dtype is None else dtype
     if tuple(q.shape) == tuple(shape):
         return torch.empty_like(q, dtype=dtype)
@@ -68,6 +85,19 @@ def strides_usable(t: torch.Tensor) -> bool:
 def usable(t: torch.Tensor) -> bool:
     """Whether cuDNN can read ``t`` as declared by its sizes and strides."""
     return strides_usable(t) and t.data_ptr() % _ALIGN == 0
+
+
+def packed_usable(t: torch.Tensor) -> bool:
+    """Whether cuDNN's ragged kernels may read or write ``t`` (T, H, D) in place: contiguous and
+    16-byte aligned (D is a multiple of 8 wherever the provider serves)."""
+    return t.is_contiguous() and t.data_ptr() % _ALIGN == 0
+
+
+def packed_repaired(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when ``packed_usable``, else a contiguous copy in a fresh (aligned) buffer."""
+    if packed_usable(t):
+        return t
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _aligned_empty(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """How a backward knows what its forward did: a record keyed by the storage of a forward output.
 
-The aten SDPA ops hand the backward only tensors the forward returned. For the dense cuDNN op the
-provider returns its own ``philox_seed``/``philox_offset`` pair (one 2-element storage); for
-varlen, its own ``rng_state``. Autograd saves those outputs by storage (``SavedVariable`` keeps
+The aten SDPA ops hand the backward only tensors the forward returned: the provider marks the
+dense forward's logsumexp and the varlen forward's ``rng_state``. Autograd saves those outputs by storage (``SavedVariable`` keeps
 the StorageImpl), and PyTorch preserves a storage's Python object while the StorageImpl lives, so
 ``id(t.untyped_storage())`` identifies the forward for exactly as long as its backward can run,
 on any thread, whether or not the provider's scope is still open. A weak reference's callback drops
@@ -27,11 +26,12 @@ _listeners: list = []
 
 @dataclass(frozen=True)
 class Record:
-    """What the forward did: served by our graph, or fell back with ``reason``."""
+    """What the forward did: served by our graph, or fell back with ``reason``; ``strict`` is the
+    strictness its scope had, which its backward keeps on whatever thread it runs."""
 
-    path: str  # "dense" or "varlen"
     served: bool
     reason: str | None = None
+    strict: bool = False
 
 
 def _forget(key: int) -> None:

@@ -1,10 +1,9 @@
 """Custom ops ``cudnn_sdpa::{dense,varlen}_{fwd,bwd}``: autograd, fake kernels, CPU kernels.
 
-CUDA kernels run ``engine`` (our cuDNN graphs) and count the call as served. When the engine
-raises ``NotSupportedError`` they either re-raise (``fallback=False``: strict callers and the
-provider, which has its own fallback) or run the composite in ``reference`` and count a fallback
-with the reason. CPU kernels always run the composite (reason ``no_cuda``); they make the fake
-kernels, ``opcheck`` and the autograd wiring testable on a CPU-only machine.
+Every kernel hands its call to ``route``: CUDA kernels serve it on our cuDNN graphs (``dense``,
+``packed``) or, with a reason, run the composite in ``reference``; ``fallback=False`` (strict)
+refuses instead with ``FallbackError``. CPU kernels always run the composite (reason ``no_cuda``);
+they make the fake kernels, ``opcheck`` and the autograd wiring testable on a CPU-only machine.
 
 Defining these ops registers the ``cudnn_sdpa`` namespace only; it overrides nothing of torch's.
 The package imports this module lazily (on first use), never at package import.
@@ -18,17 +17,28 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import counters, engine, layout, reference
-from .errors import NotSupportedError
+from . import dense, layout, packed, reference, route, scope
+from .binding import tensor_key
 
 __all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "DenseFunction", "VarlenFunction", "eager"]
 
 
-def _fail_or_fallback(path: str, exc: NotSupportedError, fallback: bool) -> None:
-    if not fallback:
-        raise exc
-    counters.record(path, exc.reason)
-    counters.log_once((path, exc.reason, exc.detail), 20, "%s falls back to the aten composite: %s", path, exc)
+_ON_CPU = route.fixed("no_cuda", "inputs are on the CPU")
+
+
+def _strict_forward(fallback: bool) -> bool:
+    """A forward refuses when its caller asked (``fallback=False``) or its scope is strict now (a
+    compiled caller cannot read the scope while tracing, so the kernel reads it when it runs)."""
+    return not fallback or scope.strict()
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether a backward will follow (inputs that require grad are visible below autograd too)."""
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _describe(**items):
+    return lambda: route.describe_call(**items)
 
 
 # --------------------------------------------------------------------------------------- dense
@@ -104,16 +114,30 @@ def _dense_fwd_cuda(
 ) -> tuple[Tensor, Tensor]:
     """Dense attention forward on a cuDNN graph: (out, lse)."""
     window = (window_left, window_right)
-    try:
-        out, lse = engine.dense_fwd(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks,
-                                    bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                                    philox=_pair(philox), dropout_p=dropout_p, compute_lse=compute_lse)
-    except NotSupportedError as exc:
-        _fail_or_fallback("dense_fwd", exc, fallback)
-        return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox,
-                                    dropout_p)
-    counters.record("dense_fwd")
-    return out, lse
+    found = _dense_entry("fwd", q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right, False)
+    strict = _strict_forward(fallback)
+    then = None
+    if strict and _needs_grad(q, k, v, sinks):
+        then = ("dense_bwd", _dense_entry("bwd", q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right,
+                                          torch.are_deterministic_algorithms_enabled()))
+
+    def serve():
+        return dense.forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks, bias=bias,
+                             seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, philox=_pair(philox), dropout_p=dropout_p,
+                             compute_lse=compute_lse)
+
+    return route.call("dense_fwd", found, serve, lambda reason: _dense_composite_fwd(
+        q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox, dropout_p),
+        _describe(q=q, k=k, v=v, sinks=sinks, window=window, bottom_right=bottom_right, seq_lens_q=seq_len_q),
+        strict=strict, then=then)
+
+
+def _dense_entry(kind, q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right, deterministic):
+    signature = ("op_dense_" + kind, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), sinks is not None,
+                 tensor_key(bias), seq_len_q is not None, dropout_p, window, bottom_right, deterministic)
+    return route.entry(signature, lambda: route.dense_problem(
+        q, k, v, backward=kind == "bwd", window=window, bottom_right=bottom_right, sinks=sinks is not None, bias=bias,
+        dropout_p=dropout_p, padded=seq_len_q is not None, deterministic=deterministic), q.device.index)
 
 
 dense_fwd = torch.library.custom_op("cudnn_sdpa::dense_fwd", _dense_fwd_cuda, mutates_args=(), device_types="cuda")
@@ -122,9 +146,10 @@ dense_fwd = torch.library.custom_op("cudnn_sdpa::dense_fwd", _dense_fwd_cuda, mu
 @dense_fwd.register_kernel("cpu")
 def _dense_fwd_cpu(q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left, window_right,
                    bottom_right, compute_lse, fallback):
-    _fail_or_fallback("dense_fwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
-    return _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right),
-                                bottom_right, philox, dropout_p)
+    return route.call("dense_fwd", _ON_CPU, None, lambda reason: _dense_composite_fwd(
+        q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right), bottom_right, philox,
+        dropout_p), _describe(q=q, k=k, v=v, sinks=sinks, window=(window_left, window_right), bottom_right=bottom_right,
+                              seq_lens_q=seq_len_q), strict=_strict_forward(fallback))
 
 
 @dense_fwd.register_fake
@@ -157,17 +182,18 @@ def _dense_bwd_cuda(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Dense attention backward: (dq, dk, dv, dsinks); dsinks is (H_q,) fp32, or (0,) without sinks."""
     window = (window_left, window_right)
-    try:
-        dq, dk, dv, dsinks = engine.dense_bwd(grad_out, q, k, v, out, lse, scale=scale, window=window,
-                                              bottom_right=bottom_right, sinks=sinks, bias=bias, seq_len_q=seq_len_q,
-                                              seq_len_kv=seq_len_kv, philox=_pair(philox),
-                                              dropout_p=dropout_p, deterministic=deterministic)
-    except NotSupportedError as exc:
-        _fail_or_fallback("dense_bwd", exc, fallback)
-        return _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right,
-                                    philox, dropout_p)
-    counters.record("dense_bwd")
-    return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
+    found = _dense_entry("bwd", q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right, deterministic)
+
+    def serve():
+        dq, dk, dv, dsinks = dense.backward(grad_out, q, k, v, out, lse, scale=scale, window=window,
+                                            bottom_right=bottom_right, sinks=sinks, bias=bias, seq_len_q=seq_len_q,
+                                            seq_len_kv=seq_len_kv, philox=_pair(philox), dropout_p=dropout_p,
+                                            deterministic=deterministic)
+        return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
+
+    return route.call("dense_bwd", found, serve, lambda reason: _dense_composite_bwd(
+        grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox, dropout_p),
+        _describe(q=q, k=k, v=v, grad_out=grad_out, window=window), strict=not fallback)
 
 
 dense_bwd = torch.library.custom_op("cudnn_sdpa::dense_bwd", _dense_bwd_cuda, mutates_args=(), device_types="cuda")
@@ -176,9 +202,9 @@ dense_bwd = torch.library.custom_op("cudnn_sdpa::dense_bwd", _dense_bwd_cuda, mu
 @dense_bwd.register_kernel("cpu")
 def _dense_bwd_cpu(grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p,
                    window_left, window_right, bottom_right, deterministic, fallback):
-    _fail_or_fallback("dense_bwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
-    return _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale,
-                                (window_left, window_right), bottom_right, philox, dropout_p)
+    return route.call("dense_bwd", _ON_CPU, None, lambda reason: _dense_composite_bwd(
+        grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right), bottom_right,
+        philox, dropout_p), _describe(q=q, k=k, v=v), strict=not fallback)
 
 
 @dense_bwd.register_fake
@@ -226,7 +252,7 @@ dense_fwd.register_autograd(_dense_backward, setup_context=_dense_setup_context)
 def _varlen_composite_fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, window, bottom_right):
     ref_out, ref_lse = reference.varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, window=window,
                                         bottom_right=bottom_right, sinks=sinks, compute_dtype=_compute_dtype(q))
-    out = layout.packed((q.shape[0], q.shape[1], v.shape[2]), q)
+    out = layout.packed_out(q, (q.shape[0], q.shape[1], v.shape[2]))
     out.copy_(ref_out)
     lse = layout.packed((q.shape[0], q.shape[1]), q, dtype=torch.float32)
     lse.copy_(ref_lse)
@@ -238,7 +264,7 @@ def _varlen_composite_bwd(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, 
                                       bottom_right=bottom_right, sinks=sinks, compute_dtype=_compute_dtype(q))
     outs = []
     for src, g in zip((q, k, v), grads[:3]):
-        dst = layout.packed(tuple(src.shape), src)
+        dst = layout.grad_like(src)
         dst.copy_(g)
         outs.append(dst)
     dsinks = grads[3].to(torch.float32) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
@@ -262,15 +288,29 @@ def _varlen_fwd_cuda(
 ) -> tuple[Tensor, Tensor]:
     """Packed varlen attention forward on a cuDNN graph: (out (T_q, H_q, D_v), lse (T_q, H_q) fp32)."""
     window = (window_left, window_right)
-    try:
-        out, lse = engine.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale,
-                                     window=window, bottom_right=bottom_right, sinks=sinks)
-    except NotSupportedError as exc:
-        _fail_or_fallback("varlen_fwd", exc, fallback)
-        return _varlen_composite_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
-                                     window, bottom_right)
-    counters.record("varlen_fwd")
-    return out, lse
+    found = _varlen_entry("fwd", q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, sinks, window, bottom_right,
+                          False)
+    strict = _strict_forward(fallback)
+    then = None
+    if strict and _needs_grad(q, k, v, sinks):
+        then = ("varlen_bwd", _varlen_entry("bwd", q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, sinks, window,
+                                            bottom_right, torch.are_deterministic_algorithms_enabled()))
+
+    def serve():
+        return packed.forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale,
+                              window=window, bottom_right=bottom_right, sinks=sinks)
+
+    return route.call("varlen_fwd", found, serve, lambda reason: _varlen_composite_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window, bottom_right),
+        _describe(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, window=window), strict=strict, then=then)
+
+
+def _varlen_entry(kind, q, k, v, cu_q, max_q, max_kv, sinks, window, bottom_right, deterministic):
+    signature = ("op_varlen_" + kind, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), cu_q.shape, max_q,
+                 max_kv, sinks is not None, window, bottom_right, deterministic)
+    return route.entry(signature, lambda: route.varlen_problem(
+        q, k, v, cu_q, max_q, max_kv, backward=kind == "bwd", window=window, bottom_right=bottom_right,
+        sinks=sinks is not None, deterministic=deterministic), q.device.index)
 
 
 varlen_fwd = torch.library.custom_op("cudnn_sdpa::varlen_fwd", _varlen_fwd_cuda, mutates_args=(), device_types="cuda")
@@ -279,15 +319,16 @@ varlen_fwd = torch.library.custom_op("cudnn_sdpa::varlen_fwd", _varlen_fwd_cuda,
 @varlen_fwd.register_kernel("cpu")
 def _varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left,
                     window_right, bottom_right, fallback):
-    _fail_or_fallback("varlen_fwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
-    return _varlen_composite_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
-                                 (window_left, window_right), bottom_right)
+    return route.call("varlen_fwd", _ON_CPU, None, lambda reason: _varlen_composite_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, (window_left, window_right),
+        bottom_right), _describe(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, window=(window_left, window_right)),
+        strict=_strict_forward(fallback))
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left,
                      window_right, bottom_right, fallback):
-    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    out = layout.packed_out(q, (q.shape[0], q.shape[1], v.shape[2]))
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
     return out, lse
 
@@ -313,16 +354,18 @@ def _varlen_bwd_cuda(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Packed varlen attention backward: (dq, dk, dv, dsinks)."""
     window = (window_left, window_right)
-    try:
-        dq, dk, dv, dsinks = engine.varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                                               max_seqlen_kv, scale=scale, window=window, bottom_right=bottom_right,
-                                               sinks=sinks, deterministic=deterministic)
-    except NotSupportedError as exc:
-        _fail_or_fallback("varlen_bwd", exc, fallback)
-        return _varlen_composite_bwd(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                     sinks, scale, window, bottom_right)
-    counters.record("varlen_bwd")
-    return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
+    found = _varlen_entry("bwd", q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, sinks, window, bottom_right,
+                          deterministic)
+
+    def serve():
+        dq, dk, dv, dsinks = packed.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                                             max_seqlen_kv, scale=scale, window=window, bottom_right=bottom_right,
+                                             sinks=sinks, deterministic=deterministic)
+        return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
+
+    return route.call("varlen_bwd", found, serve, lambda reason: _varlen_composite_bwd(
+        grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window,
+        bottom_right), _describe(q=q, k=k, v=v, grad_out=grad_out), strict=not fallback)
 
 
 varlen_bwd = torch.library.custom_op("cudnn_sdpa::varlen_bwd", _varlen_bwd_cuda, mutates_args=(), device_types="cuda")
@@ -331,16 +374,16 @@ varlen_bwd = torch.library.custom_op("cudnn_sdpa::varlen_bwd", _varlen_bwd_cuda,
 @varlen_bwd.register_kernel("cpu")
 def _varlen_bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
                     scale, window_left, window_right, bottom_right, deterministic, fallback):
-    _fail_or_fallback("varlen_bwd", NotSupportedError("no_cuda", "inputs are on the CPU"), fallback)
-    return _varlen_composite_bwd(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
-                                 scale, (window_left, window_right), bottom_right)
+    return route.call("varlen_bwd", _ON_CPU, None, lambda reason: _varlen_composite_bwd(
+        grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
+        (window_left, window_right), bottom_right), _describe(q=q, k=k, v=v), strict=not fallback)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
                      scale, window_left, window_right, bottom_right, deterministic, fallback):
     dsinks = q.new_empty((q.shape[1],) if sinks is not None else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    return layout.grad_like(q), layout.grad_like(k), layout.grad_like(v), dsinks
 
 
 def _varlen_setup_context(ctx, inputs, output):

@@ -1,6 +1,6 @@
 """Kernels the provider registers over PyTorch's attention ops while it is enabled.
 
-Served (our cuDNN graphs, ``engine``):
+Served (our cuDNN graphs, ``dense`` / ``packed``), through ``route``:
   aten::_scaled_dot_product_cudnn_attention (+ _backward)   CUDA   -> dense_fwd / dense_bwd
   torch_attn::_varlen_attn (+ _backward, _varlen_attn_out)   CUDA   -> varlen_fwd / varlen_bwd
 Each falls back to the kernel it replaced (fetched with ``torch.library.get_kernel`` before the
@@ -12,51 +12,22 @@ Counted only (every other backend PyTorch's selector can pick; the original kern
   aten::_scaled_dot_product_attention_math   AutogradCUDA/AutogradCPU (its backward is counted
                                              by a hook on the output's gradient)
 
-A backward follows its forward through ``markers``: the served forward returns philox/rng
-tensors whose storage is recorded; the backward kernel looks it up. The backward overrides stay
+A backward follows its forward through ``markers``: the forward marks its logsumexp (dense) or
+rng_state (varlen) with what it did; the backward kernel looks it up. The backward overrides stay
 registered after the scope exits while any such forward can still be differentiated.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import warnings
 
 import torch
 
-from . import counters, engine, markers, support
-from .errors import FallbackError, NotSupportedError
+from . import dense, markers, packed, route, rows, scope, support
+from .binding import tensor_key
+from .route import describe_call
 
-log = logging.getLogger("cudnn_sdpa_provider")
-
-__all__ = ["Hooks", "describe_call"]
-
-
-def describe_call(**items) -> str:
-    """Shapes, dtypes, strides and flags of a call, for FallbackError and logs."""
-    parts = []
-    for name, value in items.items():
-        if isinstance(value, torch.Tensor):
-            dtype = str(value.dtype).replace("torch.", "")
-            parts.append(f"{name}={tuple(value.shape)} {dtype} stride={tuple(value.stride())} {value.device}")
-        elif value is not None:
-            parts.append(f"{name}={value!r}")
-    return "; ".join(parts)
-
-
-def _strict() -> bool:
-    from . import activation
-
-    return activation.strict()
-
-
-def _fallback(path: str, reason: str, detail: str, inputs) -> None:
-    """Record a fallback (or raise in strict mode); log once per configuration."""
-    if _strict():
-        raise FallbackError(path, [reason], inputs() if callable(inputs) else inputs, [detail])
-    counters.record(path, reason)
-    counters.log_once((path, reason, detail), logging.INFO, "%s falls back (%s): %s", path, reason, detail)
+__all__ = ["Hooks", "VARLEN_ARGUMENTS"]
 
 
 def _bind(op, args, kwargs) -> dict:
@@ -66,27 +37,8 @@ def _bind(op, args, kwargs) -> dict:
     return bound
 
 
-def _route_reason(q, k, v, *, backward: bool, is_causal=False, bias=None, dropout_p=0.0) -> tuple[str, str]:
-    """Why a call that PyTorch sent to a non-cuDNN kernel is not ours: our first reason, or
-    ``torch_selection`` when we could have served it but PyTorch's own checks chose otherwise."""
-    if q.device.type != "cuda":
-        return "no_cuda", f"inputs are on {q.device.type!r}"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "rank", f"inputs of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} are not 4-D"
-    problem = engine.dense_problem(q, k, v, backward=backward, window=(-1, 0) if is_causal else (-1, -1),
-                                   bias=bias, dropout_p=dropout_p)
-    caps = support.capabilities(q.device.index if q.device.type == "cuda" else None)
-    found = support.reasons(problem, caps)
-    if found:
-        return found[0].slug, found[0].message
-    return "torch_selection", f"PyTorch's SDPA selector did not pick cuDNN for {problem.describe()}"
-
-
-# ------------------------------------------------------------------------------- dense, served
-
-
 def _scale(scale, q) -> float:
-    return float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return float(scale) if scale is not None else q.shape[-1] ** -0.5
 
 
 _UNUSED_PHILOX: dict = {}
@@ -95,11 +47,21 @@ _UNUSED_PHILOX: dict = {}
 def _unused_philox(device: torch.device) -> torch.Tensor:
     """One int64 buffer per device whose elements 0 and 2 (16-byte aligned, as inductor asserts
     of outputs) stand in for the philox seed/offset outputs when there is no dropout: the op must
-    return them, nothing reads them, and a shared buffer costs no allocation per call."""
+    return them, nothing reads them. Made outside inference mode, so a first call under
+    ``torch.inference_mode()`` does not leave an inference tensor that training could not save."""
     found = _UNUSED_PHILOX.get(device)
     if found is None:
-        found = _UNUSED_PHILOX.setdefault(device, torch.zeros(4, dtype=torch.int64, device=device))
+        with torch.inference_mode(False):
+            found = _UNUSED_PHILOX.setdefault(device, torch.zeros(4, dtype=torch.int64, device=device))
     return found
+
+
+def _mark(t, record: markers.Record) -> None:
+    if isinstance(t, torch.Tensor) and t.numel() > 0:
+        markers.mark(t, record)
+
+
+# ------------------------------------------------------------------------------- dense, served
 
 
 class _Dense:
@@ -111,67 +73,71 @@ class _Dense:
 
     def forward(self, keyset, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                 return_debug_mask=False, *, scale=None):
-        window = (-1, 0) if is_causal else (-1, -1)
-        try:
-            if return_debug_mask:
-                raise NotSupportedError("dropout", "return_debug_mask=True (the dropout debug mask)")
-            philox = None
-            if dropout_p > 0.0 or attn_bias is not None:
-                # Decide before drawing dropout's Philox pair: a fallback must consume no RNG state,
-                # so PyTorch's kernel then draws exactly what it would have drawn natively.
-                engine.check(engine.dense_problem(query, key, value, window=window, bias=attn_bias,
-                                                  dropout_p=dropout_p), query.device)
-                # seed and offset are elements 0 and 2: each 16-byte aligned, as inductor asserts of outputs.
-                philox = engine.new_philox(query.device, 4) if dropout_p > 0.0 else None
-            # Without bias or dropout the engine checks for itself, and only when its fast path
-            # has not seen this call signature before (a seen one passed the same check).
-            out, lse = engine.dense_fwd(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
-                                        dropout_p=dropout_p, compute_lse=compute_log_sumexp,
-                                        philox=(philox[0], philox[2]) if philox is not None else None,
-                                        checked=philox is not None or attn_bias is not None)
-        except NotSupportedError as exc:
-            inputs = lambda: describe_call(query=query, key=key, value=value, attn_bias=attn_bias,  # noqa: E731
-                                           dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-            _fallback("dense_fwd", exc.reason, exc.detail, inputs)
+        window = support.canonical_window(bool(is_causal), None)
+        recompute = route.recompute(dropout_p)
+        bias_grad = attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()
+        signature = ("sdpa_fwd", query.device.index, tensor_key(query), tensor_key(key), tensor_key(value),
+                     tensor_key(attn_bias), bias_grad, dropout_p, window, bool(return_debug_mask), recompute)
+        found = route.entry(signature, lambda: route.dense_problem(
+            query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p, recompute=recompute,
+            **({"unsupported": ("return_debug_mask",)} if return_debug_mask else {})), query.device.index)
+        strict = scope.strict()
+
+        def serve():
+            # Drawn only once the call is served: a fallback consumes no RNG state, so PyTorch's
+            # kernel then draws exactly what it would have drawn natively.
+            philox = rows.new_philox(query.device, 4) if dropout_p > 0.0 else None  # elements 0, 2: aligned
+            out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
+                                     dropout_p=float(dropout_p), compute_lse=compute_log_sumexp,
+                                     philox=(philox[0], philox[2]) if philox is not None else None)
+            if compute_log_sumexp:  # a backward can follow: the LSE it will receive is the marker
+                markers.mark(lse, markers.Record(served=True, strict=strict))
+            philox = _unused_philox(query.device) if philox is None else philox
+            return out, lse, None, None, query.shape[2], key.shape[2], philox[0], philox[2], None
+
+        def native(reason):
             result = self.fwd_original.call_boxed(keyset, query, key, value, attn_bias, compute_log_sumexp, dropout_p,
                                                   is_causal, return_debug_mask, scale=scale)
-            if compute_log_sumexp and isinstance(result[1], torch.Tensor) and result[1].numel() > 0:
-                markers.mark(result[1], markers.Record("dense", served=False, reason=exc.reason))
+            if compute_log_sumexp:
+                _mark(result[1], markers.Record(served=False, reason=reason.slug))
             return result
-        counters.record("dense_fwd")
-        if compute_log_sumexp:  # a backward can follow: the LSE it will receive is the marker
-            markers.mark(lse, markers.Record("dense", served=True))
-        if philox is None:  # without dropout the pair's values are never read
-            philox = _unused_philox(query.device)
-        return out, lse, None, None, query.shape[2], key.shape[2], philox[0], philox[2], None
+
+        return route.call("dense_fwd", found, serve, native, lambda: describe_call(
+            query=query, key=key, value=value, attn_bias=attn_bias, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale), strict=strict)
 
     def backward(self, keyset, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
                  cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
-        def original():
+        def native(reason=None):
             return self.bwd_original.call_boxed(keyset, grad_out, query, key, value, out, logsumexp, philox_seed,
                                                 philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
                                                 dropout_p, is_causal, scale=scale)
 
         record = markers.lookup(logsumexp)
         if record is None:  # the forward ran outside the provider: not ours to count
-            return original()
+            return native()
+        describe = lambda: describe_call(query=query, key=key, value=value, grad_out=grad_out,  # noqa: E731
+                                         attn_bias=attn_bias, is_causal=is_causal, scale=scale)
         if not record.served:
-            counters.record("dense_bwd", record.reason)
-            return original()
-        try:
-            dq, dk, dv, _ = engine.dense_bwd(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
-                                             window=(-1, 0) if is_causal else (-1, -1), bias=attn_bias,
-                                             dropout_p=dropout_p, philox=(philox_seed, philox_offset),
-                                             deterministic=torch.are_deterministic_algorithms_enabled())
-        except NotSupportedError as exc:
-            inputs = lambda: describe_call(query=query, key=key, value=value, grad_out=grad_out,  # noqa: E731
-                                           attn_bias=attn_bias, is_causal=is_causal, scale=scale)
-            _fallback("dense_bwd", exc.reason, exc.detail, inputs)
-            # Our forward's out and lse have native cuDNN's meaning (natural-log stats, same
-            # layout), so PyTorch's backward kernel is a valid fallback for a served forward.
-            return original()
-        counters.record("dense_bwd")
-        return dq, dk, dv
+            found = route.fixed(record.reason, "its forward fell back")
+            return route.call("dense_bwd", found, None, native, describe, strict=False)
+        window = support.canonical_window(bool(is_causal), None)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        signature = ("sdpa_bwd", query.device.index, tensor_key(query), tensor_key(key), tensor_key(value),
+                     tensor_key(attn_bias), dropout_p, window, deterministic)
+        found = route.entry(signature, lambda: route.dense_problem(
+            query, key, value, backward=True, window=window, bias=attn_bias, dropout_p=dropout_p,
+            deterministic=deterministic), query.device.index)
+
+        def serve():
+            dq, dk, dv, _ = dense.backward(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
+                                           window=window, bias=attn_bias, dropout_p=dropout_p,
+                                           philox=(philox_seed, philox_offset), deterministic=deterministic)
+            return dq, dk, dv
+
+        # Our forward's out and lse have native cuDNN's meaning (natural-log stats, same layout), so
+        # PyTorch's backward kernel is a valid fallback for a served forward.
+        return route.call("dense_bwd", found, serve, native, describe, strict=record.strict)
 
 
 # ------------------------------------------------------------------------------ dense, counted
@@ -192,29 +158,48 @@ class _Counted:
         self.path = path
         self.backward = backward
         self.bias_arg = bias_arg
+        self.name = op._schema.name.split("::")[1]
 
-    def _reason(self, a) -> tuple[str, str]:
-        return _route_reason(a["query"], a["key"], a["value"], backward=self.backward,
-                             is_causal=bool(a.get("is_causal", False)),
-                             bias=a.get(self.bias_arg) if self.bias_arg else None,
-                             dropout_p=float(a.get("dropout_p", 0.0) or 0.0))
+    def entry(self, a) -> route.Entry:
+        q, k, v = a["query"], a["key"], a["value"]
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            if q.device.type != "cuda":
+                return route.fixed("no_cuda", f"inputs are on {q.device.type!r}")
+            return route.fixed("rank", f"inputs of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} "
+                                       "are not 4-D")
+        bias = a.get(self.bias_arg) if self.bias_arg else None
+        dropout_p = float(a.get("dropout_p", 0.0) or 0.0)
+        window = support.canonical_window(bool(a.get("is_causal", False)), None)
+        signature = (self.name, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(bias),
+                     dropout_p, window, self.backward)
+        return route.elsewhere(signature, lambda: route.dense_problem(
+            q, k, v, backward=self.backward, window=window, bias=bias, dropout_p=dropout_p), q.device.index)
 
     def __call__(self, keyset, *args, **kwargs):
         a = _bind(self.op, args, kwargs)
+        run = lambda reason=None: self.original.call_boxed(keyset, *args, **kwargs)  # noqa: E731
         if self.backward:
             record = markers.lookup(a.get("logsumexp"))
-            if record is not None:
-                counters.record(self.path, record.reason)
-            return self.original.call_boxed(keyset, *args, **kwargs)
-        reason, detail = self._reason(a)
-        _fallback(self.path, reason, f"{self.op._schema.name.split('::')[1]}: {detail}",
-                  lambda: describe_call(query=a["query"], key=a["key"], value=a["value"],
-                                        dropout_p=a.get("dropout_p"), is_causal=a.get("is_causal")))
-        result = self.original.call_boxed(keyset, *args, **kwargs)
-        lse = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
-        if self.marks_lse and isinstance(lse, torch.Tensor) and lse.numel() > 0:
-            markers.mark(lse, markers.Record("dense", served=False, reason=reason))
-        return result
+            if record is None:
+                return run()
+            return route.call(self.path, route.fixed(record.reason, "its forward fell back"), None, run,
+                              lambda: "", strict=False)
+        strict = scope.strict()
+
+        def native(reason):
+            result = run()
+            lse = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
+            if self.marks_lse:
+                _mark(lse, markers.Record(served=False, reason=reason.slug))
+            self.after(result, reason)
+            return result
+
+        return route.call(self.path, self.entry(a), None, native, lambda: f"{self.name}: " + describe_call(
+            query=a["query"], key=a["key"], value=a["value"], dropout_p=a.get("dropout_p"),
+            is_causal=a.get("is_causal")), strict=strict)
+
+    def after(self, result, reason) -> None:
+        """Hook for subclasses (the math kernel counts its backward here)."""
 
 
 class _CountedMath(_Counted):
@@ -223,16 +208,39 @@ class _CountedMath(_Counted):
 
     marks_lse = False  # its second output is the attention weights, which no backward kernel reads
 
-    def __call__(self, keyset, *args, **kwargs):
-        reason, _ = self._reason(_bind(self.op, args, kwargs))
-        result = super().__call__(keyset, *args, **kwargs)
+    def after(self, result, reason) -> None:
         out = result[0]
         if out.requires_grad:
-            out.register_hook(lambda grad, reason=reason: counters.record("dense_bwd", reason))
-        return result
+            out.register_hook(lambda grad, slug=reason.slug: route.call(
+                "dense_bwd", route.fixed(slug, "its forward fell back"), None, lambda r: None, lambda: "",
+                strict=False))
 
 
 # -------------------------------------------------------------------------------------- varlen
+
+#: What the provider does with each argument of torch_attn::_varlen_attn (2.11 - 2.14 schemas):
+#: "serve" (read and honoured), "paged" (falls back with paged_kv when given), "hint" (a
+#: performance hint for FlashAttention's kernel with no effect on the result; cuDNN plans for
+#: itself). Any other argument a newer torch adds falls back with ``unsupported_argument`` unless
+#: it has its schema default.
+VARLEN_ARGUMENTS = {
+    "query": "serve", "key": "serve", "value": "serve", "cu_seq_q": "serve", "cu_seq_k": "serve", "max_q": "serve",
+    "max_k": "serve", "is_causal": "serve", "scale": "serve", "window_size": "serve", "enable_gqa": "serve",
+    "seqused_k": "paged", "block_table": "paged", "num_splits": "hint", "out": "serve",
+    # backward-only
+    "grad_out": "serve", "lse": "serve", "rng_state": "serve",
+}
+
+
+def _unknown_arguments(op, a) -> tuple:
+    """Names of arguments this provider does not know, passed with a value other than their default."""
+    found = []
+    for arg in op._schema.arguments:
+        if arg.name in VARLEN_ARGUMENTS or arg.name not in a:
+            continue
+        if not arg.has_default_value() or a[arg.name] != arg.default_value:
+            found.append(arg.name)
+    return tuple(found)
 
 
 class _Varlen:
@@ -250,66 +258,83 @@ class _Varlen:
             right = 0
         return (int(left), int(right)), a.get("scale")
 
+    def _entry(self, op, a, backward: bool) -> route.Entry:
+        q, k, v = a["query"], a["key"], a["value"]
+        cu_q = a["cu_seq_q"]
+        window, scale = self._options(a)
+        paged = a.get("seqused_k") is not None or a.get("block_table") is not None
+        unknown = _unknown_arguments(op, a)
+        deterministic = backward and torch.are_deterministic_algorithms_enabled()
+        signature = (op._schema.name, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), cu_q.shape,
+                     a["max_q"], a["max_k"], window, paged, unknown, deterministic)
+        return route.entry(signature, lambda: route.varlen_problem(
+            q, k, v, cu_q, a["max_q"], a["max_k"], backward=backward, window=window, bottom_right=True,
+            deterministic=deterministic, paged=paged, unsupported=unknown), q.device.index)
+
     def _serve_fwd(self, a):
-        if a.get("seqused_k") is not None or a.get("block_table") is not None:
-            raise NotSupportedError("paged_kv", "seqused_k/block_table (paged KV) are not served")
         q, k, v = a["query"], a["key"], a["value"]
         cu_q = a["cu_seq_q"]
         cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
         window, scale = self._options(a)
-        out, lse = engine.varlen_fwd(q, k, v, cu_q, cu_k, a["max_q"], a["max_k"], scale=_scale(scale, q),
-                                     window=window, bottom_right=True)
         # FlashAttention aligns causal masks and windows to the bottom right of each sequence.
+        out, lse = packed.forward(q, k, v, cu_q, cu_k, a["max_q"], a["max_k"], scale=_scale(scale, q),
+                                  window=window, bottom_right=True)
         return out, lse.t().contiguous()  # torch_attn's convention is (H, T)
 
     def forward(self, keyset, *args, **kwargs):
         a = _bind(self.fwd_op, args, kwargs)
-        try:
+        strict = scope.strict()
+
+        def serve():
             out, lse = self._serve_fwd(a)
-        except NotSupportedError as exc:
-            _fallback("varlen_fwd", exc.reason, exc.detail, lambda: describe_call(query=a["query"], key=a["key"],
-                                                                                   value=a["value"]))
+            rng_state = torch.zeros(2, dtype=torch.uint64, device=out.device)
+            markers.mark(rng_state, markers.Record(served=True, strict=strict))
+            return out, lse, rng_state
+
+        def native(reason):
             result = self.fwd_original.call_boxed(keyset, *args, **kwargs)
-            markers.mark(result[2], markers.Record("varlen", served=False, reason=exc.reason))
+            markers.mark(result[2], markers.Record(served=False, reason=reason.slug))
             return result
-        counters.record("varlen_fwd")
-        rng_state = torch.zeros(2, dtype=torch.uint64, device=out.device)
-        markers.mark(rng_state, markers.Record("varlen", served=True))
-        return out, lse, rng_state
+
+        return route.call("varlen_fwd", self._entry(self.fwd_op, a, False), serve, native,
+                          lambda: describe_call(query=a["query"], key=a["key"], value=a["value"]), strict=strict)
 
     def forward_out(self, keyset, *args, **kwargs):
         a = _bind(self.out_op, args, kwargs)
-        try:
+
+        def serve():
             out, lse = self._serve_fwd(a)
-        except NotSupportedError as exc:
-            _fallback("varlen_fwd", exc.reason, exc.detail, lambda: describe_call(query=a["query"]))
-            return self.out_original.call_boxed(keyset, *args, **kwargs)
-        a["out"].copy_(out)
-        counters.record("varlen_fwd")
-        return lse
+            a["out"].copy_(out)
+            return lse
+
+        return route.call("varlen_fwd", self._entry(self.out_op, a, False), serve,
+                          lambda reason: self.out_original.call_boxed(keyset, *args, **kwargs),
+                          lambda: describe_call(query=a["query"], out=a["out"]))
 
     def backward(self, keyset, *args, **kwargs):
         a = _bind(self.bwd_op, args, kwargs)
+        native = lambda reason=None: self.bwd_original.call_boxed(keyset, *args, **kwargs)  # noqa: E731
         record = markers.lookup(a["rng_state"])
         if record is None:
-            return self.bwd_original.call_boxed(keyset, *args, **kwargs)
-        if not record.served:
-            counters.record("varlen_bwd", record.reason)
-            return self.bwd_original.call_boxed(keyset, *args, **kwargs)
+            return native()
         q, k, v = a["query"], a["key"], a["value"]
-        cu_q = a["cu_seq_q"]
-        cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
-        window, scale = self._options(a)
-        try:
-            dq, dk, dv, _ = engine.varlen_bwd(a["grad_out"], q, k, v, a["out"], a["lse"].t(), cu_q, cu_k, a["max_q"],
-                                              a["max_k"], scale=_scale(scale, q), window=window, bottom_right=True,
-                                              deterministic=torch.are_deterministic_algorithms_enabled())
-        except NotSupportedError as exc:
-            _fallback("varlen_bwd", exc.reason, exc.detail, lambda: describe_call(query=q, key=k, value=v))
-            # Our forward's lse is flash's (H, T) natural-log LSE, so flash's backward can use it.
-            return self.bwd_original.call_boxed(keyset, *args, **kwargs)
-        counters.record("varlen_bwd")
-        return dq, dk, dv
+        describe = lambda: describe_call(query=q, key=k, value=v, grad_out=a["grad_out"])  # noqa: E731
+        if not record.served:
+            return route.call("varlen_bwd", route.fixed(record.reason, "its forward fell back"), None, native,
+                              describe, strict=False)
+
+        def serve():
+            cu_q = a["cu_seq_q"]
+            cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
+            window, scale = self._options(a)
+            dq, dk, dv, _ = packed.backward(a["grad_out"], q, k, v, a["out"], a["lse"].t(), cu_q, cu_k, a["max_q"],
+                                            a["max_k"], scale=_scale(scale, q), window=window, bottom_right=True,
+                                            deterministic=torch.are_deterministic_algorithms_enabled())
+            return dq, dk, dv
+
+        # Our forward's lse is flash's (H, T) natural-log LSE, so flash's backward can use it.
+        return route.call("varlen_bwd", self._entry(self.bwd_op, a, True), serve, native, describe,
+                          strict=record.strict)
 
 
 # ------------------------------------------------------------------------------- registrations

@@ -1,21 +1,22 @@
 """What cuDNN can serve: the capability table as data, and pure reason functions.
 
-Nothing here touches a GPU. ``Problem`` describes one attention call (shapes, dtypes, options),
-``Capabilities`` describes the machine (cuDNN version, compute capability); ``reasons(problem,
-caps)`` lists why the call cannot run on our cuDNN graphs, most important first. "Supported"
-means that list is empty. ``capabilities()`` is the one place that asks the device, cached.
+Nothing here touches a GPU. ``Problem`` describes one attention call (shapes, dtypes, options and
+the few facts of its context that decide support), ``Capabilities`` describes the machine (cuDNN
+version, compute capability); ``reasons(problem, caps)`` lists why the call cannot run on our cuDNN
+graphs, most important first. "Supported" means that list is empty. Each rule has its own slug
+(``reasons.Slug``); ``machine.capabilities()`` is the one place that asks the device.
 
-Version gates cite FACTS.md section 3 (docs/support.md is generated from ``RULES``).
+The version gates come from cuDNN's release notes (docs/support.md is generated from ``RULES`` and
+lists them with the releases).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .reasons import Reason
+from .reasons import Reason, Slug
 
 __all__ = [
     "Capabilities",
@@ -24,15 +25,16 @@ __all__ = [
     "RULES",
     "MIN_CUDNN",
     "reasons",
-    "capabilities",
     "canonical_window",
+    "cudnn_bounds",
     "version_str",
+    "with_version",
 ]
 
 #: Oldest cuDNN backend we build graphs for. Tested on 9.19; older 9.x releases lack pieces we use
 #: (int64/int32 ragged offsets for THD since 9.1-9.6, sliding-window bands since 9.2).
 MIN_CUDNN = 90600
-#: Releases NVIDIA withdrew for SDPA correctness bugs (FACTS.md section 3).
+#: Releases withdrawn for SDPA correctness bugs (cuDNN 9.10.0 / 9.10.1 release notes).
 BLOCKED_CUDNN = frozenset({91000, 91001})
 SINK_MIN = 91300  # sink_token forward and dense backward
 SINK_RAGGED_BWD_MIN = 92600  # ragged (THD) + sink backward
@@ -65,7 +67,11 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Problem:
-    """One attention call, reduced to what decides support. Build it with ``dataclasses.replace``."""
+    """One attention call, reduced to what decides support. Build it with ``dataclasses.replace``.
+
+    ``recompute`` says the call is a dropout forward that autograd can recompute (activation
+    checkpointing); ``paged`` a varlen call with a paged KV cache; ``unsupported`` names arguments
+    given values the provider does not serve."""
 
     kind: str  # "dense" or "varlen"
     backward: bool
@@ -89,6 +95,9 @@ class Problem:
     deterministic: bool = False
     empty: bool = False
     ragged_extent: int = 0  # varlen: largest packed extent * token stride (elements)
+    recompute: bool = False
+    paged: bool = False
+    unsupported: tuple = ()
 
     @property
     def path(self) -> str:
@@ -100,17 +109,8 @@ class Problem:
             f"{self.path} B={self.batch} H={self.h_q}/{self.h_k}/{self.h_v} S={self.s_q}/{self.s_kv}",
             f"D={self.d_qk}/{self.d_v} dtype={'/'.join(names)} window={self.window}",
         ]
-        flags = [
-            n
-            for n, on in (
-                ("bottom_right", self.bottom_right),
-                ("sinks", self.sinks),
-                ("bias", self.bias),
-                ("padded", self.padded),
-                ("deterministic", self.deterministic),
-            )
-            if on
-        ]
+        flags = [n for n, on in (("bottom_right", self.bottom_right), ("sinks", self.sinks), ("bias", self.bias),
+                                 ("padded", self.padded), ("deterministic", self.deterministic)) if on]
         if self.dropout_p:
             flags.append(f"dropout={self.dropout_p}")
         return " ".join(parts + flags)
@@ -153,6 +153,14 @@ def _global_version(p: Problem, c: Capabilities) -> str | None:
     return None
 
 
+def _paged(p: Problem, c: Capabilities) -> str | None:
+    return "seqused_k / block_table (a paged KV cache)" if p.paged else None
+
+
+def _unsupported(p: Problem, c: Capabilities) -> str | None:
+    return f"argument(s) {', '.join(p.unsupported)} with values the provider does not serve" if p.unsupported else None
+
+
 def _empty(p: Problem, c: Capabilities) -> str | None:
     return "an input has zero elements" if p.empty else None
 
@@ -182,27 +190,28 @@ def _gqa(p: Problem, c: Capabilities) -> str | None:
     return None
 
 
-def _feature_versions(p: Problem, c: Capabilities) -> str | None:
+def _feature(p: Problem, c: Capabilities) -> str | None:
+    v = c.cudnn_version
+    if v is not None and p.sinks and v < SINK_MIN:
+        return f"attention sinks need cuDNN >= {version_str(SINK_MIN)} (have {version_str(v)})"
+    return None
+
+
+def _bug(p: Problem, c: Capabilities) -> str | None:
     v = c.cudnn_version
     if v is None:
         return None
-    if p.sinks and v < SINK_MIN:
-        return f"attention sinks need cuDNN >= {version_str(SINK_MIN)} (have {version_str(v)})"
     left, right = p.window
-    # cuDNN 9.14.0: wrong results for non-causal sliding windows once s_kv > 1024 (FACTS.md 3).
+    # cuDNN 9.14.0: wrong results for non-causal sliding windows once s_kv > 1024 (fixed in 9.15.0).
     if v == 91400 and left >= 0 and right != 0 and p.s_kv > 1024:
         return "cuDNN 9.14.0 sliding-window bug (non-causal window, s_kv > 1024)"
     # cuDNN 9.26: backward planning segfaults on H200 at B = H_q = S_q = 1, S_kv = 128, d = 64.
-    if (
-        92600 <= v < 92700
-        and p.backward
-        and p.batch == 1
-        and p.h_q == 1
-        and p.s_q == 1
-        and p.s_kv == 128
-        and p.d_qk == 64
-    ):
+    if (92600 <= v < 92700 and p.backward and p.batch == 1 and p.h_q == 1 and p.s_q == 1 and p.s_kv == 128
+            and p.d_qk == 64):
         return "cuDNN 9.26 backward-planning crash at B=H_q=S_q=1, S_kv=128, d=64"
+    # cuDNN 9.11-9.13 SDPA dropout is broken; PyTorch's own selector refuses it there too.
+    if p.dropout_p > 0.0 and DROPOUT_BROKEN[0] <= v < DROPOUT_BROKEN[1]:
+        return f"dropout is broken in cuDNN {version_str(v)} (9.11.0 - 9.13.x)"
     return None
 
 
@@ -239,11 +248,9 @@ def _dropout(p: Problem, c: Capabilities) -> str | None:
     return None
 
 
-def _dropout_version(p: Problem, c: Capabilities) -> str | None:
-    # cuDNN 9.11-9.13 SDPA dropout is broken; PyTorch's own selector refuses it there too.
-    v = c.cudnn_version
-    if p.dropout_p > 0.0 and v is not None and DROPOUT_BROKEN[0] <= v < DROPOUT_BROKEN[1]:
-        return f"dropout is broken in cuDNN {version_str(v)} (9.11.0 - 9.13.x)"
+def _recompute(p: Problem, c: Capabilities) -> str | None:
+    if p.dropout_p > 0.0 and p.recompute and not p.backward:
+        return "a dropout forward that autograd may recompute (activation checkpointing)"
     return None
 
 
@@ -253,32 +260,38 @@ def _ragged(p: Problem, c: Capabilities) -> str | None:
     return None
 
 
-#: Evaluated in order; the first reason is the one counted, ``explain()`` shows them all.
+#: Evaluated in order; the first reason is the one counted, ``explain()`` shows them all. One rule
+#: per slug (``tests/test_support.py`` checks it), so a slug has one meaning.
 RULES: tuple[Rule, ...] = (
-    Rule("no_cuda", "inputs on a CUDA device", _no_cuda),
-    Rule("cudnn_unavailable", "nvidia-cudnn-frontend importable and cuDNN loadable", _unavailable),
-    Rule("compute_capability", "GPU sm_80 or newer", _cc),
-    Rule("cudnn_version", f"cuDNN >= {version_str(MIN_CUDNN)}, not 9.10.0/9.10.1", _global_version),
-    Rule("empty", "no zero-size inputs", _empty),
-    Rule("dtype", "q, k, v all float16 or all bfloat16", _dtype),
-    Rule("head_dim", "head dims multiples of 8 up to 256 (backward before Hopper: 128)", _head_dim),
-    Rule("gqa_heads", "H_q divisible by H_k and by H_v", _gqa),
-    Rule("cudnn_version", "features within this cuDNN's support and known bugs", _feature_versions),
-    Rule("sink_backward_ragged", "varlen sink backward on cuDNN >= 9.26", _sink_ragged_bwd),
-    Rule("sink_decode", "no sinks at S_q == 1", _sink_decode),
-    Rule("seq_len_one_backward", "no backward at S_q == S_kv == 1", _seq_one_bwd),
-    Rule("attn_bias", "bias only on dense inputs, without grad", _bias),
-    Rule("dropout", "dropout only on dense inputs, p < 1", _dropout),
-    Rule("cudnn_version", "dropout outside cuDNN 9.11-9.13", _dropout_version),
-    Rule("ragged_offset_overflow", "packed operands within int32 offsets", _ragged),
+    Rule(Slug.NO_CUDA.value, "inputs on a CUDA device", _no_cuda),
+    Rule(Slug.CUDNN_UNAVAILABLE.value, "nvidia-cudnn-frontend importable and cuDNN loadable", _unavailable),
+    Rule(Slug.COMPUTE_CAPABILITY.value, "GPU sm_80 or newer", _cc),
+    Rule(Slug.CUDNN_VERSION.value, f"cuDNN >= {version_str(MIN_CUDNN)}, not 9.10.0/9.10.1", _global_version),
+    Rule(Slug.PAGED_KV.value, "no paged KV cache (varlen seqused_k / block_table)", _paged),
+    Rule(Slug.UNSUPPORTED_ARGUMENT.value, "no argument the provider does not serve", _unsupported),
+    Rule(Slug.EMPTY.value, "no zero-size inputs", _empty),
+    Rule(Slug.DTYPE.value, "q, k, v all float16 or all bfloat16", _dtype),
+    Rule(Slug.HEAD_DIM.value, "head dims multiples of 8 up to 256 (backward before Hopper: 128)", _head_dim),
+    Rule(Slug.GQA_HEADS.value, "H_q divisible by H_k and by H_v", _gqa),
+    Rule(Slug.CUDNN_FEATURE.value, f"attention sinks on cuDNN >= {version_str(SINK_MIN)}", _feature),
+    Rule(Slug.CUDNN_BUG.value, "no known bug of this cuDNN release for this configuration", _bug),
+    Rule(Slug.SINK_BACKWARD_RAGGED.value, "varlen sink backward on cuDNN >= 9.26", _sink_ragged_bwd),
+    Rule(Slug.SINK_DECODE.value, "no sinks at S_q == 1", _sink_decode),
+    Rule(Slug.SEQ_LEN_ONE_BACKWARD.value, "no backward at S_q == S_kv == 1", _seq_one_bwd),
+    Rule(Slug.ATTN_BIAS.value, "bias only on dense inputs, without grad", _bias),
+    Rule(Slug.DROPOUT.value, "dropout only on dense inputs, p < 1", _dropout),
+    Rule(Slug.DROPOUT_RECOMPUTE.value, "no dropout in a forward that autograd may recompute", _recompute),
+    Rule(Slug.RAGGED_OFFSET_OVERFLOW.value, "packed operands within int32 offsets", _ragged),
 )
+
+_MACHINE_SLUGS = (Slug.NO_CUDA.value, Slug.CUDNN_UNAVAILABLE.value)
 
 
 def deterministic_workspace_bytes(p: Problem, c: Capabilities) -> int:
     """Workspace the deterministic backward needs on this machine (0 where it is small).
 
-    On sm_90 before cuDNN 9.25 it is O(B*H*S_q*S_kv): about 34 GB at B=8, H=32, S=8k (FACTS.md 3),
-    i.e. 2 bytes per score element.
+    On sm_90 before cuDNN 9.25 it is O(B*H*S_q*S_kv): 2 bytes per score element, about 34 GB at
+    B=8, H=32, S=8k.
     """
     v = c.cudnn_version or 0
     if not (p.backward and p.deterministic) or c.compute_capability != (9, 0) or v >= DETERMINISTIC_SMALL_WS_MIN:
@@ -293,17 +306,13 @@ def reasons(p: Problem, caps: Capabilities, *, deterministic_limit_bytes: int | 
         message = rule.check(p, caps)
         if message:
             found.append(Reason(rule.slug, message))
-            if rule.slug in ("no_cuda", "cudnn_unavailable"):
+            if rule.slug in _MACHINE_SLUGS:
                 break  # nothing else is meaningful without a GPU and cuDNN
     if not found and deterministic_limit_bytes is not None:
         need = deterministic_workspace_bytes(p, caps)
         if need > deterministic_limit_bytes:
-            found.append(
-                Reason(
-                    "deterministic_workspace",
-                    f"needs {need / 2**20:.0f} MiB workspace, limit {deterministic_limit_bytes / 2**20:.0f} MiB",
-                )
-            )
+            found.append(Reason(Slug.DETERMINISTIC_WORKSPACE.value, f"needs {need / 2**20:.0f} MiB workspace, "
+                                                                    f"limit {deterministic_limit_bytes / 2**20:.0f} MiB"))
     return found
 
 
@@ -311,7 +320,8 @@ def canonical_window(is_causal: bool, window: tuple[int, int] | list[int] | None
     """Fold ``is_causal`` and a FlashAttention-style ``window=(left, right)`` into one pair.
 
     ``-1`` means unbounded. ``(-1, -1)`` is full attention, ``(-1, 0)`` causal, ``(w, 0)`` causal
-    with a sliding window that sees ``w`` keys before the diagonal (``w + 1`` keys in all).
+    with a sliding window that sees ``w`` keys before the diagonal (``w + 1`` keys in all). The one
+    place where ``is_causal`` becomes a window.
     """
     if window is None:
         window = (-1, -1)
@@ -339,29 +349,6 @@ def cudnn_bounds(window: tuple[int, int]) -> tuple[int | None, int | None]:
     """
     left, right = window
     return (left + 1 if left >= 0 else None, right if right >= 0 else None)
-
-
-@functools.lru_cache(maxsize=None)
-def capabilities(device_index: int | None = None) -> Capabilities:
-    """Ask the machine once per device (cached): CUDA, compute capability, cuDNN versions."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return Capabilities(cuda=False, unavailable="CUDA is not available")
-    index = torch.cuda.current_device() if device_index is None else device_index
-    cc = tuple(torch.cuda.get_device_capability(index))
-    name = torch.cuda.get_device_name(index)
-    from . import graphs  # the only module that imports cudnn
-
-    frontend, backend, problem = graphs.backend_info()
-    return Capabilities(
-        cuda=True,
-        compute_capability=cc,  # type: ignore[arg-type]
-        cudnn_version=backend,
-        frontend_version=frontend,
-        unavailable=problem,
-        device_name=name,
-    )
 
 
 def with_version(caps: Capabilities, version: int) -> Capabilities:

@@ -5,7 +5,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import tests.gpu.test_reliability as T
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import engine, reference
+from cudnn_sdpa_provider import reference, rows
 
 cfg = dict(dtype=torch.bfloat16, b=2, h_k=1, group=1, v_heads_same=False, s_q=64, s_kv=17, dims=(128, 128),
            mask="band", sinks=True, padded="yes", order="bhsd", odd="slice", seed=683)
@@ -25,7 +25,7 @@ for odd in ("slice", "no"):
     rout, rlse = reference.dense(qf, kf, vf, sinks=sf, seq_len_q=lq, seq_len_kv=lk, **kw)
     rout.backward(go.float())
     print(f"== odd={odd} lens q {lq.tolist()} kv {lk.tolist()}; dsinks ours {sinks.grad.tolist()} ref {sf.grad.tolist()}")
-    dead = engine._dead_rows(64, 17, (7, 5), False, lq, lk, out.device).view(2, 64)
+    dead = rows.dead_rows(64, 17, (7, 5), False, lq, lk, out.device).view(2, 64)
     live = ~dead
     o, ro = out.detach().float().view(2, 64, 128), rout.detach().view(2, 64, 128)
     l, rl = lse.detach().float().view(2, 64), rlse.detach().view(2, 64)

@@ -138,14 +138,14 @@ def test_cudnn_first_inside_and_restored_exactly():
     assert sdp_state() == before
 
 
-def test_restores_disabled_cudnn_and_custom_priority():
+def test_user_backend_flags_win_and_custom_priority_is_restored():
     saved = sdp_state()
     custom = list(reversed(saved[1]))
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch._C._set_sdp_priority_order(custom)
     try:
         with csp.enable():
-            assert torch.backends.cuda.cudnn_sdp_enabled()
+            assert not torch.backends.cuda.cudnn_sdp_enabled(), "the user's restriction is never overridden"
             assert torch._C._get_sdp_priority_order()[0] == CUDNN
         assert sdp_state() == (False, custom)
         act = csp.enable()
@@ -270,7 +270,10 @@ def test_strict_raises_fallback_error_with_inputs_and_reason():
     for piece in ("query=(2, 4, 8, 16)", "key=(2, 4, 8, 16)", "value=(2, 4, 8, 16)", "float32",
                   "stride=(512, 128, 16, 1)", "cpu", "is_causal=True"):
         assert piece in text, (piece, text)
-    assert fallbacks(before) == {}, "a strict failure is not counted as a fallback"
+    region = counters.stats() - before
+    assert fallbacks(before) == {"dense_fwd": {"no_cuda": 1}}, "the audit shows what was refused and why"
+    assert region.refused_dict() == {"dense_fwd": {"no_cuda": 1}}
+    assert "no_cuda=1 (refused 1)" in counters.format_table(region)
 
 
 def test_strict_raises_on_the_math_route():
@@ -278,6 +281,53 @@ def test_strict_raises_on_the_math_route():
     with csp.enable(strict=True), sdpa_kernel(SDPBackend.MATH):
         with pytest.raises(csp.FallbackError, match="no_cuda"):
             F.scaled_dot_product_attention(q, k, v)
+
+
+def test_strict_is_per_thread():
+    """Thread A's strict scope makes A's fallbacks raise; thread B, in its own lenient scope at the
+    same time, falls back and counts."""
+    barrier = threading.Barrier(2, timeout=30)
+    results = {}
+
+    def run(name, strict):
+        q, k, v = qkv((1, 2, 8, 8), seed=3)
+        with csp.enable(strict=strict):
+            barrier.wait()  # both scopes are open now
+            try:
+                F.scaled_dot_product_attention(q, k, v)
+                results[name] = "ran"
+            except csp.FallbackError as exc:
+                results[name] = exc.reasons
+            barrier.wait()
+
+    before = counters.stats()
+    threads = [threading.Thread(target=run, args=("strict", True)), threading.Thread(target=run, args=("lenient", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"strict": ["no_cuda"], "lenient": "ran"}
+    region = counters.stats() - before
+    assert region.fallback["dense_fwd"] == {"no_cuda": 2} and region.refused_dict() == {"dense_fwd": {"no_cuda": 1}}
+
+
+def test_thread_without_a_scope_takes_process_wide_strictness():
+    q, k, v = qkv((1, 2, 8, 8))
+    seen = {}
+
+    def call():
+        try:
+            F.scaled_dot_product_attention(q, k, v)
+            seen["result"] = "ran"
+        except csp.FallbackError:
+            seen["result"] = "refused"
+
+    for process_wide, expected in ((False, "ran"), (True, "refused")):
+        with csp.enable(strict=True, process_wide=process_wide):
+            t = threading.Thread(target=call)
+            t.start()
+            t.join()
+        assert seen["result"] == expected, process_wide
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -42,8 +42,9 @@ def test_ordered_buffers(bound, monkeypatch):
     monkeypatch.setattr(graphs, "_ORDERED", True)
     g = FakeGraph(ordered=True)
     plan = graphs.Plan(graph=g, workspace=0, name="x")
-    graphs.execute(plan, {UID.Q: "q", UID.K: "k", UID.O: "o"}, 0, 7)
-    assert g.calls == [(("q", "k", "o"), (int(UID.Q), int(UID.K), int(UID.O)), "handle0")]
+    uids = (int(UID.Q), int(UID.K), int(UID.O))
+    graphs.execute(plan, uids, ("q", "k", "o"), 0, 7)
+    assert g.calls == [(("q", "k", "o"), uids, "handle0")]
     assert all(type(u) is int for u in g.calls[0][1])  # plain ints, as pybind wants, not IntEnum members
 
 
@@ -51,13 +52,12 @@ def test_mapping_form(bound, monkeypatch):
     monkeypatch.setattr(graphs, "_ORDERED", False)
     g = FakeGraph(ordered=False)
     plan = graphs.Plan(graph=g, workspace=0, name="x")
-    buffers = {UID.Q: "q", UID.O: "o"}
-    graphs.execute(plan, buffers, 0, 7)
-    assert g.calls == [(buffers, None, "handle0")]
+    graphs.execute(plan, (int(UID.Q), int(UID.O)), ("q", "o"), 0, 7)
+    assert g.calls == [({int(UID.Q): "q", int(UID.O): "o"}, None, "handle0")]
 
 
 def test_stream_bound_only_when_it_changes(bound):
     plan = graphs.Plan(graph=FakeGraph(ordered=True), workspace=0, name="x")
     for device, stream in ((0, 7), (0, 7), (0, 9), (1, 9), (0, 9), (1, 7)):
-        graphs.execute(plan, {UID.Q: "q"}, device, stream)
+        graphs.execute(plan, (int(UID.Q),), ("q",), device, stream)
     assert bound == [("handle0", 7), ("handle0", 9), ("handle1", 9), ("handle1", 7)]

@@ -8,8 +8,8 @@ import torch
 
 from cudnn_sdpa_provider import markers
 
-SERVED = markers.Record("dense", served=True)
-FELL_BACK = markers.Record("varlen", served=False, reason="no_cuda")
+SERVED = markers.Record(served=True)
+FELL_BACK = markers.Record(served=False, reason="no_cuda")
 
 
 def test_mark_and_lookup_by_storage():

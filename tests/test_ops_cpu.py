@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cudnn_sdpa_provider import counters, layout, ops, reference  # noqa: F401  (ops defines cudnn_sdpa::*)
-from cudnn_sdpa_provider.errors import NotSupportedError
+from cudnn_sdpa_provider.errors import FallbackError
 from tests.util import assert_rel_close, make_dense
 
 OPS = torch.ops.cudnn_sdpa
@@ -289,7 +289,7 @@ def _strict(args):
 
 
 @pytest.mark.parametrize("path", ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd"])
-def test_fallback_false_raises_no_cuda(path):
+def test_fallback_false_refuses_no_cuda(path):
     if path.startswith("dense"):
         args, go = dense_case()
         args = args if path == "dense_fwd" else dense_bwd_args(args, go)
@@ -297,10 +297,12 @@ def test_fallback_false_raises_no_cuda(path):
         args, go = varlen_case()
         args = args if path == "varlen_fwd" else varlen_bwd_args(args, go)
     before = counters.stats()
-    with pytest.raises(NotSupportedError) as info:
+    with pytest.raises(FallbackError) as info:
         getattr(OPS, path)(*_strict(args))
-    assert info.value.reason == "no_cuda" and str(info.value).startswith("[no_cuda] ")
-    assert (counters.stats() - before).to_dict()[path] == {"served": 0, "fallback": {}}, "a raise is not counted"
+    assert info.value.path == path and info.value.reasons == ["no_cuda"]
+    region = counters.stats() - before
+    assert region.to_dict()[path] == {"served": 0, "fallback": {"no_cuda": 1}}, "a refusal is in the audit"
+    assert region.refused_dict() == {path: {"no_cuda": 1}}
 
 
 # ---------------------------------------------------------------------------------- layout

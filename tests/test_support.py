@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudnn_sdpa_provider import support
-from cudnn_sdpa_provider.reasons import CATALOG
+from cudnn_sdpa_provider import machine, support
+from cudnn_sdpa_provider.reasons import CATALOG, Slug
 from cudnn_sdpa_provider.support import Capabilities, Problem
 
 #: A machine that serves everything the baseline problem asks: H200-like, cuDNN 9.19.
@@ -49,13 +49,13 @@ TRIGGERED = [
     ("cudnn_too_old", {}, dict(cudnn_version=support.MIN_CUDNN - 1), "cudnn_version"),
     ("cudnn_9_10_0_blocked", {}, dict(cudnn_version=91000), "cudnn_version"),
     ("cudnn_9_10_1_blocked", {}, dict(cudnn_version=91001), "cudnn_version"),
-    ("cudnn_9_14_window_bug", dict(window=(128, 128), s_kv=1025), dict(cudnn_version=91400), "cudnn_version"),
-    ("cudnn_9_14_window_left_only", dict(window=(128, -1), s_kv=2048), dict(cudnn_version=91400), "cudnn_version"),
+    ("cudnn_9_14_window_bug", dict(window=(128, 128), s_kv=1025), dict(cudnn_version=91400), "cudnn_bug"),
+    ("cudnn_9_14_window_left_only", dict(window=(128, -1), s_kv=2048), dict(cudnn_version=91400), "cudnn_bug"),
     ("cudnn_9_26_bwd_crash", dict(backward=True, batch=1, h_q=1, h_k=1, h_v=1, s_q=1, s_kv=128, d_qk=64, d_v=64),
-     dict(cudnn_version=92600), "cudnn_version"),
+     dict(cudnn_version=92600), "cudnn_bug"),
     ("cudnn_9_26_5_bwd_crash", dict(backward=True, batch=1, h_q=1, h_k=1, h_v=1, s_q=1, s_kv=128, d_qk=64, d_v=64),
-     dict(cudnn_version=92605), "cudnn_version"),
-    ("sinks_before_9_13", dict(sinks=True), dict(cudnn_version=91299), "cudnn_version"),
+     dict(cudnn_version=92605), "cudnn_bug"),
+    ("sinks_before_9_13", dict(sinks=True), dict(cudnn_version=91299), "cudnn_feature"),
     ("empty", dict(empty=True), {}, "empty"),
     ("dtype_fp32", dict(dtypes=(torch.float32,) * 3), {}, "dtype"),
     ("dtype_mixed", dict(dtypes=(torch.bfloat16, torch.float16, torch.bfloat16)), {}, "dtype"),
@@ -76,9 +76,12 @@ TRIGGERED = [
     ("bias_grad", dict(bias=True, bias_grad=True), {}, "attn_bias"),
     ("varlen_dropout", dict(kind="varlen", dropout_p=0.1), {}, "dropout"),
     ("dropout_p_1", dict(dropout_p=1.0), {}, "dropout"),
-    ("dropout_cudnn_9_11", dict(dropout_p=0.1), dict(cudnn_version=91100), "cudnn_version"),
-    ("dropout_cudnn_9_13_x", dict(dropout_p=0.1), dict(cudnn_version=91399), "cudnn_version"),
+    ("dropout_cudnn_9_11", dict(dropout_p=0.1), dict(cudnn_version=91100), "cudnn_bug"),
+    ("dropout_cudnn_9_13_x", dict(dropout_p=0.1), dict(cudnn_version=91399), "cudnn_bug"),
     ("ragged_offset_overflow", dict(kind="varlen", ragged_extent=2**31), {}, "ragged_offset_overflow"),
+    ("dropout_recompute", dict(dropout_p=0.1, recompute=True), {}, "dropout_recompute"),
+    ("paged_kv", dict(kind="varlen", paged=True), {}, "paged_kv"),
+    ("unsupported_argument", dict(kind="varlen", unsupported=("backend",)), {}, "unsupported_argument"),
 ]
 
 
@@ -131,6 +134,8 @@ NOT_TRIGGERED = [
     ("varlen_dropout_0", dict(kind="varlen", dropout_p=0.0), {}),
     ("ragged_at_int32_max", dict(kind="varlen", ragged_extent=2**31 - 1), {}),
     ("dense_extent_ignored", dict(kind="dense", ragged_extent=2**40), {}),
+    ("recompute_without_dropout", dict(recompute=True), {}),
+    ("recompute_backward", dict(dropout_p=0.1, recompute=True, backward=True), {}),
 ]
 
 
@@ -156,9 +161,16 @@ def test_cudnn_unavailable_stops_evaluation():
 def test_reasons_are_ordered_most_important_first():
     p = problem(backward=True, dtypes=(torch.float32,) * 3, d_qk=12, h_k=3, sinks=True, s_q=1, s_kv=1, dropout_p=1.0)
     c = caps(compute_capability=(7, 0), cudnn_version=91001)
-    # 9.10.1 is both blocked (global gate) and too old for sinks (feature gate): two version reasons.
-    assert slugs(p, c) == ["compute_capability", "cudnn_version", "dtype", "head_dim", "gqa_heads", "cudnn_version",
+    # 9.10.1 is both blocked (global gate) and too old for sinks (feature gate): two reasons, two slugs.
+    assert slugs(p, c) == ["compute_capability", "cudnn_version", "dtype", "head_dim", "gqa_heads", "cudnn_feature",
                            "sink_decode", "seq_len_one_backward", "dropout"]
+
+
+def test_one_rule_per_slug_and_every_slug_catalogued():
+    rule_slugs = [r.slug for r in support.RULES]
+    assert len(rule_slugs) == len(set(rule_slugs)), "a slug has one meaning: one rule each"
+    assert set(CATALOG) == {s.value for s in Slug}, "every Slug member has a catalog entry and no other"
+    assert set(rule_slugs) <= set(CATALOG)
 
 
 def test_first_reason_is_global_version_before_problem_rules():
@@ -330,7 +342,7 @@ def test_with_version_copies():
 def test_capabilities_on_this_cpu_machine():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    c = support.capabilities()
+    c = machine.capabilities()
     assert c.cuda is False and c.unavailable
     cpu = problem(device_type="cpu")
     assert slugs(cpu, c) == ["no_cuda"]

@@ -380,41 +380,34 @@ def _additive(mask, query, key, module, is_causal):
                                                                                         torch.finfo(query.dtype).min)
 
 
-def _record(path: str, reason: str, detail: str, inputs) -> None:
-    from .. import activation, counters
-    from ..errors import FallbackError
-
-    if activation.strict():
-        raise FallbackError(path, [reason], inputs(), [detail])
-    counters.record(path, reason)
-    counters.log_once(("transformers", path, reason, detail), logging.INFO,
-                      "transformers integration: %s falls back (%s): %s", path, reason, detail)
-
-
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, reason):
-    from .. import activation, counters
-    from ..overrides import describe_call
+    from .. import activation, route
 
     slug, detail = reason
     mask = attention_mask.to_bool(query.device) if isinstance(attention_mask, CudnnMask) else attention_mask
     eager = kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None
     # The provider counts an sdpa call itself while it is enabled; everything else is counted here.
     counted_here = eager or not activation.enabled()
-    if counted_here:
-        layer = type(module).__name__
-        _record("dense_fwd", slug, detail,
-                lambda: describe_call(layer=layer, query=query, key=key, value=value, dropout=dropout))
-    if eager:
-        out, weights = _eager_function(module)(module, query, key, value,
-                                               _additive(mask, query, key, module, is_causal), dropout=dropout,
-                                               scaling=scaling, **kwargs)
-    else:
-        _, _, sdpa_attention, _ = _transformers()
-        out, weights = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
-                                                             scaling=scaling, is_causal=is_causal, **kwargs)
-    if counted_here and out.requires_grad:
-        out.register_hook(lambda grad, slug=slug: counters.record("dense_bwd", slug))
-    return out, weights
+
+    def native(_reason=None):
+        if eager:
+            out, weights = _eager_function(module)(module, query, key, value,
+                                                   _additive(mask, query, key, module, is_causal), dropout=dropout,
+                                                   scaling=scaling, **kwargs)
+        else:
+            _, _, sdpa_attention, _ = _transformers()
+            out, weights = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                                                 scaling=scaling, is_causal=is_causal, **kwargs)
+        if counted_here and out.requires_grad:
+            out.register_hook(lambda grad: route.call("dense_bwd", route.fixed(slug, detail), None, lambda r: None,
+                                                      lambda: "", strict=False))
+        return out, weights
+
+    if not counted_here:
+        return native()
+    layer = type(module).__name__
+    return route.call("dense_fwd", route.fixed(slug, detail), None, native, lambda: route.describe_call(
+        layer=layer, query=query, key=key, value=value, dropout=dropout))
 
 
 # ------------------------------------------------------------------------------ registration

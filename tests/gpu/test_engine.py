@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, engine, graphs, layout, reference
+from cudnn_sdpa_provider import counters, dense, graphs, layout, machine, reference
 from cudnn_sdpa_provider.errors import NotSupportedError
 from tests.util import TOL, assert_rel_close, grad_tol, make_dense, poison_allocator
 
@@ -218,9 +218,7 @@ def test_varlen_sinks_forward_served_backward_gated():
 
 
 def csp_caps():
-    from cudnn_sdpa_provider import support
-
-    return support.capabilities(torch.cuda.current_device())
+    return machine.capabilities(torch.cuda.current_device())
 
 
 def test_deterministic_backward_is_bit_identical():
@@ -277,7 +275,7 @@ def test_graph_rejection_becomes_not_supported(monkeypatch):
     graphs.clear_cache()
     q = torch.randn(1, 2, 64, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(NotSupportedError) as info:
-        engine.dense_fwd(q, q, q, scale=0.125)
+        dense.forward(q, q, q, scale=0.125)
     assert info.value.reason == "graph_not_supported" and "synthetic" in info.value.detail
     before = counters.stats()
     out = csp.attention(q, q, q)  # the op falls back to the composite and counts why

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import bench, counters, engine, reference
+from cudnn_sdpa_provider import bench, counters, dense, reference, rows
 from tests.util import TOL, assert_rel_close, grad_tol, make_dense
 
 pytestmark = pytest.mark.gpu
@@ -94,9 +94,9 @@ def test_dropout_keep_rate_mask_consistency_and_gradients(p):
     gen = torch.Generator(device=DEV).manual_seed(8)
     b, h, s, d = 2, 4, 256, 64
     q, k, v = make_dense(b, h, h, h, s, s, d, d, torch.bfloat16, DEV, requires_grad=False, gen=gen)
-    philox = engine.new_philox(torch.device(DEV))
+    philox = rows.new_philox(torch.device(DEV))
     dump = torch.full((b, h, s, s), float("nan"), device=DEV)
-    out, lse = engine.dense_fwd(q, k, v, scale=1 / 8, window=(-1, 0), dropout_p=p, philox=(philox[0], philox[1]),
+    out, lse = dense.forward(q, k, v, scale=1 / 8, window=(-1, 0), dropout_p=p, philox=(philox[0], philox[1]),
                                 rng_dump=dump)
     allowed = reference.allowed_mask(s, s, (-1, 0), False, device=DEV).expand(b, h, s, s)
     # cuDNN skips fully masked tiles, so only the visible region of the dump is written.
@@ -109,7 +109,7 @@ def test_dropout_keep_rate_mask_consistency_and_gradients(p):
     ref, _ = reference.dense(q, k, v, scale=1 / 8, window=(-1, 0), dropout_mask=mask, dropout_p=p)
     assert_rel_close(out, ref, TOL[torch.bfloat16], "out with the realised mask")
     go = torch.randn(b, h, s, d, device=DEV, generator=gen, dtype=torch.bfloat16)
-    dq, dk, dv, _ = engine.dense_bwd(go, q, k, v, out, lse, scale=1 / 8, window=(-1, 0), dropout_p=p,
+    dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=1 / 8, window=(-1, 0), dropout_p=p,
                                      philox=(philox[0], philox[1]))
     ref_grads = reference.dense_backward(go, q, k, v, scale=1 / 8, window=(-1, 0), dropout_mask=mask, dropout_p=p)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, graphs, reference, support
+from cudnn_sdpa_provider import counters, graphs, machine, reference, support
 from tests.util import no_host_syncs, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -354,7 +354,7 @@ def test_eviction_never_breaks_an_inflight_backward():
 
 
 def test_deterministic_workspace_gate_falls_back_instead_of_oom(monkeypatch):
-    caps = support.capabilities(torch.cuda.current_device())
+    caps = machine.capabilities(torch.cuda.current_device())
     if caps.compute_capability != (9, 0) or caps.cudnn_version >= support.DETERMINISTIC_SMALL_WS_MIN:
         pytest.skip("the O(S^2) deterministic workspace applies to sm_90 with cuDNN < 9.25 only")
     monkeypatch.setenv("CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB", "1")

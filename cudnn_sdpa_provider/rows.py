@@ -1,0 +1,108 @@
+"""Rows whose value is fixed by definition, and the small device-side terms around a cuDNN call.
+
+All device-side, no host sync: rows of padded or keyless queries (0 by definition, cuDNN leaves
+them unspecified), lengths that are out of range (their rows are poisoned with NaN instead of being
+computed as something else: lengths are never read on the host), the sink gradient, and dropout's
+Philox pair.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import machine, support
+
+__all__ = ["dead_rows", "rows_past", "zero_keyless_tokens", "bad_lengths", "bad_packed_lengths", "poison",
+           "sink_grad_dense", "sink_grad_packed", "new_philox"]
+
+
+def dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q=None, seq_len_kv=None, device=None):
+    """(B|1, 1, S_q, 1) bool of query rows whose output is 0 by definition: padded rows, and rows
+    that see no key at all (a window or alignment that excludes every key, or kv length 0). cuDNN
+    leaves such rows unspecified (NaN before 9.25; with sinks, a wrong contribution to dSink).
+    None when the shapes alone prove every row sees a key."""
+    left, right = window
+    if seq_len_q is None:
+        off = s_kv - s_q if bottom_right else 0
+        first_dead = right >= 0 and off + right < 0
+        last_dead = left >= 0 and (s_q - 1) + off - left > s_kv - 1
+        if not (first_dead or last_dead):
+            return None
+        lq = torch.full((1, 1), s_q, device=device)  # a fill kernel: torch.tensor would copy (and sync)
+        lk = torch.full((1, 1), s_kv, device=device)
+    else:
+        lq, lk = seq_len_q.view(-1, 1).long(), seq_len_kv.view(-1, 1).long()
+    i = torch.arange(s_q, device=device).view(1, -1)
+    off = (lk - lq) if bottom_right else torch.zeros_like(lk)
+    lo = (i + off - left).clamp(min=0) if left >= 0 else torch.zeros_like(i + off)
+    hi = torch.minimum(i + off + right, lk - 1) if right >= 0 else (lk - 1).expand_as(i + off)
+    live = (i < lq) & (lo <= hi)
+    return (~live).view(live.shape[0], 1, s_q, 1)
+
+
+def rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, 1, s, 1) bool: row index >= length."""
+    rows = torch.arange(s, device=lengths.device, dtype=lengths.dtype)
+    return (rows[None, :] >= lengths[:, None]).view(lengths.shape[0], 1, s, 1)
+
+
+def zero_keyless_tokens(x: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor) -> None:
+    """cuDNN < 9.25 writes NaN for queries of a sequence with no keys; such rows attend to nothing
+    and are 0 by definition. Skipped on cuDNN >= 9.25."""
+    caps = machine.capabilities(x.device.index)
+    if caps.cudnn_version is not None and caps.cudnn_version >= support.ZERO_LENGTH_OK:
+        return
+    keyless = (cu_kv[1:] - cu_kv[:-1]) == 0
+    tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_q.dtype)
+    batch = torch.searchsorted(cu_q[1:], tokens, right=True).clamp_(max=keyless.shape[0] - 1)
+    x.masked_fill_(keyless[batch].view(-1, *([1] * (x.dim() - 1))), 0)
+
+
+def bad_lengths(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor, s_q: int, s_kv: int) -> torch.Tensor:
+    """(B, 1, 1, 1) bool: batch rows whose lengths are outside [0, S] (never read on the host)."""
+    bad = (seq_len_q < 0) | (seq_len_q > s_q) | (seq_len_kv < 0) | (seq_len_kv > s_kv)
+    return bad.view(-1, 1, 1, 1)
+
+
+def _packed_bad(cu: torch.Tensor, lens: torch.Tensor, tokens: int, max_len: int) -> torch.Tensor:
+    low, high = torch.aminmax(lens)
+    return (low < 0) | (high > max_len) | (cu[0] != 0) | (cu[-1] > tokens)
+
+
+def bad_packed_lengths(cu_q, lens_q, cu_kv, lens_kv, tokens_q: int, tokens_kv: int, max_q: int, max_kv: int):
+    """0-dim bool: cu_seqlens that do not start at 0, decrease, run past the packed tokens, or hold
+    a sequence longer than its max_seqlen. The caller then gives cuDNN zero lengths (it reads and
+    writes nothing) and poisons the outputs, so an out-of-range length can never reach memory
+    outside the tensors and is never computed as something else."""
+    return _packed_bad(cu_q, lens_q, tokens_q, max_q) | _packed_bad(cu_kv, lens_kv, tokens_kv, max_kv)
+
+
+def poison(x: torch.Tensor, bad: torch.Tensor) -> None:
+    """NaN where ``bad`` (broadcast) holds: a result computed from invalid lengths is never silent."""
+    x.masked_fill_(bad, float("nan"))
+
+
+def sink_grad_dense(sinks, lse, out, grad_out) -> torch.Tensor:
+    """dSink[h] = -sum over b, i of p_sink * rowsum(dO * O), p_sink = exp(sink[h] - lse[b, h, i]).
+
+    Computed here instead of read from cuDNN's dSink_token: cuDNN 9.19's dSink is wrong for a padded
+    batch whose band window leaves query rows without any visible key (tests/gpu/test_reliability.py
+    keeps the case). Rows whose output is 0 (padded, keyless) contribute exactly 0, whatever their
+    LSE holds, as the definition says."""
+    delta = (grad_out.float() * out.float()).sum(dim=-1)  # (B, H, S_q)
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse.view(delta.shape))
+    return -torch.where(delta == 0, torch.zeros_like(delta), p_sink * delta).sum(dim=(0, 2))
+
+
+def sink_grad_packed(sinks, lse, out, grad_out) -> torch.Tensor:
+    """The same for packed (T, H) rows."""
+    delta = (grad_out.float() * out.float()).sum(dim=-1)  # (T, H)
+    p_sink = torch.exp(sinks.float().view(1, -1) - lse)
+    return -torch.where(delta == 0, torch.zeros_like(delta), p_sink * delta).sum(dim=0)
+
+
+def new_philox(device: torch.device, n: int = 2) -> torch.Tensor:
+    """Random int64 words for dropout's Philox (seed, offset), drawn from torch's generator on
+    ``device`` (``torch.manual_seed`` reproduces them; device-side, no sync, capturable in CUDA
+    graphs). Callers take the pair they need (the provider uses elements 0 and 2, see overrides)."""
+    return torch.randint(0, 2**62, (n,), dtype=torch.int64, device=device)

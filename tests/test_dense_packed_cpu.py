@@ -1,0 +1,52 @@
+"""CPU tier: ``dense``/``packed`` host-side decisions that need no GPU: when bottom-right alignment is the
+same mask as top-left (then top-left is used: cuDNN skips masked tiles there), and the token
+bounds that size a ragged backward's dQ accumulator."""
+
+from __future__ import annotations
+
+import torch
+
+from cudnn_sdpa_provider import dense, packed
+
+
+def test_equal_lengths_make_bottom_right_top_left():
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert dense.alignment(True, (cu, cu)) is False
+    assert dense.alignment(True, (cu, cu[:])) is False  # a view of the same memory, shape and strides
+    assert dense.alignment(True, (cu, cu.clone())) is True  # equal values are never read (no sync)
+    assert dense.alignment(True, (cu, cu[:2])) is True
+    assert dense.alignment(False, (cu, cu.clone())) is False
+
+
+def test_dense_shapes_and_padded_lengths():
+    lens = torch.tensor([5, 2], dtype=torch.int32)
+    assert dense.alignment(True, (64, 64), (None, None)) is False
+    assert dense.alignment(True, (1, 64), (None, None)) is True  # decoding: S_q < S_kv
+    assert dense.alignment(True, (64, 64), (lens, lens)) is False
+    assert dense.alignment(True, (64, 64), (lens, lens.clone())) is True
+    assert dense.alignment(True, (64, 64), (lens, None)) is True
+    assert dense.alignment(True, (64, 64), (lens.to(torch.int64), lens.to(torch.int64))) is True  # two tensors
+
+
+def test_token_bucket_is_a_close_upper_bound():
+    assert [packed.token_bucket(n) for n in (1, 64, 65, 1000, 1024, 1025)] == [64, 64, 128, 1024, 1024, 1088]
+    for n in (1, 7, 100, 4097, 42052, 10**6):
+        b = packed.token_bucket(n)
+        assert n <= b and b - n < max(64, n // 16 + 1) and b % 64 == 0
+    assert packed.token_bucket(42052) == 43008
+
+
+def _caps(cc):
+    from cudnn_sdpa_provider import support
+
+    return support.Capabilities(cuda=True, device_name="test", compute_capability=cc, cudnn_version=91900)
+
+
+def test_max_total_sizes_the_accumulator_by_tokens_on_hopper_only():
+    # the bench's varlen mix: 42052 tokens, 16 sequences up to 4092 (nominal 16 x 4096)
+    assert packed.max_total(_caps((9, 0)), 42052, 42052, 16, 4096, 4096, 128, 128) == (43008, 43008)
+    assert packed.max_total(_caps((8, 0)), 42052, 42052, 16, 4096, 4096, 128, 128) is None  # Ampere-style kernels
+    assert packed.max_total(_caps((9, 0)), 42052, 42052, 16, 4096, 4096, 72, 72) is None  # d % 16 != 0
+    assert packed.max_total(_caps((9, 0)), 500, 500, 2, 256, 256, 64, 64) is None  # no gain over 2 x 256
+    assert packed.max_total(_caps((10, 0)), 300, 9000, 4, 128, 4096, 64, 64) == (320, 9216)
+    assert packed.max_total(_caps((9, 0)), 600, 9000, 4, 128, 4096, 64, 64) == (512, 9216)  # capped at B x S
