@@ -122,7 +122,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_
         buffers.append(sinks.reshape(1, h, 1, 1).float().contiguous())
     bd.run(found, tuple(buffers), q.device.index)
     bd.copy_back([out], [out_buf])
-    rows.zero_keyless_tokens(out, n.cu_q, n.cu_kv)
+    rows.zero_keyless_tokens(out, n.cu_q, n.cu_kv, n.bad)
     return out, lse
 
 
@@ -177,7 +177,7 @@ def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqle
                     torch.empty((1, h, 1, 1), dtype=torch.float32, device=q.device)]
     bd.run(found, tuple(buffers), q.device.index)
     bd.copy_back([dq, dk, dv], bufs)
-    rows.zero_keyless_tokens(dq, n.cu_q, n.cu_kv)
+    rows.zero_keyless_tokens(dq, n.cu_q, n.cu_kv, n.bad)
     return dq, dk, dv, (rows.sink_grad_packed(sinks, lse, outr, do) if sinks is not None else None)
 
 

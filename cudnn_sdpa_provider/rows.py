@@ -12,7 +12,7 @@ import torch
 
 from . import machine, support
 
-__all__ = ["dead_rows", "rows_past", "zero_keyless_tokens", "bad_lengths", "bad_packed_lengths", "poison",
+__all__ = ["dead_rows", "rows_past", "zero_keyless_tokens", "bad_lengths", "bad_packed_lengths",
            "sink_grad_dense", "sink_grad_packed", "new_philox"]
 
 
@@ -46,13 +46,14 @@ def rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:
     return (rows[None, :] >= lengths[:, None]).view(lengths.shape[0], 1, s, 1)
 
 
-def zero_keyless_tokens(x: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor) -> None:
+def zero_keyless_tokens(x: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, bad: torch.Tensor) -> None:
     """cuDNN < 9.25 writes NaN for queries of a sequence with no keys; such rows attend to nothing
-    and are 0 by definition. Skipped on cuDNN >= 9.25."""
+    and are 0 by definition (unless ``bad``: out-of-range lengths keep their NaN). Skipped on
+    cuDNN >= 9.25."""
     caps = machine.capabilities(x.device.index)
     if caps.cudnn_version is not None and caps.cudnn_version >= support.ZERO_LENGTH_OK:
         return
-    keyless = (cu_kv[1:] - cu_kv[:-1]) == 0
+    keyless = ((cu_kv[1:] - cu_kv[:-1]) == 0) & ~bad
     tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_q.dtype)
     batch = torch.searchsorted(cu_q[1:], tokens, right=True).clamp_(max=keyless.shape[0] - 1)
     x.masked_fill_(keyless[batch].view(-1, *([1] * (x.dim() - 1))), 0)
@@ -75,11 +76,6 @@ def bad_packed_lengths(cu_q, lens_q, cu_kv, lens_kv, tokens_q: int, tokens_kv: i
     writes nothing) and poisons the outputs, so an out-of-range length can never reach memory
     outside the tensors and is never computed as something else."""
     return _packed_bad(cu_q, lens_q, tokens_q, max_q) | _packed_bad(cu_kv, lens_kv, tokens_kv, max_kv)
-
-
-def poison(x: torch.Tensor, bad: torch.Tensor) -> None:
-    """NaN where ``bad`` (broadcast) holds: a result computed from invalid lengths is never silent."""
-    x.masked_fill_(bad, float("nan"))
 
 
 def sink_grad_dense(sinks, lse, out, grad_out) -> torch.Tensor:

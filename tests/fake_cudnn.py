@@ -1,0 +1,153 @@
+"""A stand-in for cuDNN's SDPA graphs on CPU tensors, for the CPU tier.
+
+``install(monkeypatch)`` replaces the graph build with ``FakeGraph``: its ``execute`` reads every
+operand exactly as the graph key declares it (dims, strides, ragged offsets in elements, the buffer
+order given by the uids), computes attention with ``reference`` in fp64, and writes the outputs
+through the declared strides. So the engine's descriptors, repair plans, output layouts, buffer
+order and ragged offsets are checked against what they claim, on a machine without a GPU. It knows
+nothing of cuDNN's kernels: what only the GPU shows (alignment faults, plan bugs) stays for the GPU
+tier. ``FakeGraph.calls`` records what each execute received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cudnn_sdpa_provider import graphs, machine, reference, support
+from cudnn_sdpa_provider.graphs import UID, BwdKey
+
+HOPPER = support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, frontend_version="1.32.0",
+                              device_name="fake H200")
+
+
+class FakeGraph:
+    builds = 0
+
+    def __init__(self, key):
+        self.key = key
+        self.calls = []
+        FakeGraph.builds += 1
+
+    # ------------------------------------------------------------------------------ reading
+    def _dense(self, buf, d):
+        return torch.as_strided(buf, d.dims, d.strides, buf.storage_offset())
+
+    def _ragged(self, buf, d, offsets, lengths):
+        """Per sequence b: (H, len_b, D) from base + offsets[b] with the declared head/token strides."""
+        _, h, _, dd = d.dims
+        _, hs, ts, ds = d.strides
+        out = []
+        for off, n in zip(offsets.view(-1).tolist(), lengths.view(-1).tolist()):
+            assert 0 <= n <= d.dims[2], f"a length {n} past the declared S_max {d.dims[2]}"
+            if n == 0:
+                out.append(None)
+                continue
+            last = buf.storage_offset() + off + (h - 1) * hs + (n - 1) * ts + (dd - 1) * ds
+            assert off >= 0 and last < buf.untyped_storage().nbytes() // buf.element_size(), "read outside the buffer"
+            out.append(torch.as_strided(buf, (h, n, dd), (hs, ts, ds), buf.storage_offset() + off))
+        return out
+
+    # ------------------------------------------------------------------------------ execute
+    def execute(self, buffers, workspace, handle=None, tensor_uids=None):
+        b = dict(zip(tensor_uids, buffers)) if tensor_uids is not None else dict(buffers)
+        b = {UID(int(u)): t for u, t in b.items()}
+        self.calls.append(b)
+        if isinstance(self.key, BwdKey):
+            self._backward(b)
+        else:
+            self._forward(b)
+
+    def _options(self, b):
+        k = self.key
+        lens = (b[UID.SEQ_Q].view(-1), b[UID.SEQ_KV].view(-1)) if (k.padded or k.ragged) else (None, None)
+        sinks = b[UID.SINK].view(-1) if k.sinks else None
+        bias = self._dense(b[UID.BIAS], k.bias) if k.bias is not None else None
+        return lens, sinks, bias
+
+    def _forward(self, b):
+        k = self.key
+        assert not (k.dropout_p or k.rng_dump), "the fake has no dropout"
+        (lq, lk), sinks, bias = self._options(b)
+        if k.ragged:
+            return self._forward_ragged(b, lq, lk, sinks)
+        q, kk, v = (self._dense(b[u], d).double() for u, d in ((UID.Q, k.q), (UID.K, k.k), (UID.V, k.v)))
+        out, lse = reference.dense(q, kk, v, scale=k.scale, window=k.window, bottom_right=k.bottom_right, sinks=sinks,
+                                   bias=bias, seq_len_q=lq, seq_len_kv=lk, compute_dtype=torch.float64)
+        self._dense(b[UID.O], k.o).copy_(out)
+        if k.lse is not None:
+            self._dense(b[UID.LSE], k.lse).copy_(lse)
+
+    def _forward_ragged(self, b, lq, lk, sinks):
+        k = self.key
+        qs = self._ragged(b[UID.Q], k.q, b[UID.RAG_Q], lq)
+        ks = self._ragged(b[UID.K], k.k, b[UID.RAG_K], lk)
+        vs = self._ragged(b[UID.V], k.v, b[UID.RAG_V], lk)
+        os_ = self._ragged(b[UID.O], k.o, b[UID.RAG_O], lq)
+        lses = self._ragged(b[UID.LSE], k.lse, b[UID.RAG_LSE], lq)
+        for q, kk, v, o, lse in zip(qs, ks, vs, os_, lses):
+            if q is None:
+                continue
+            if kk is None:  # no keys: cuDNN < 9.25 writes NaN rows (the engine zeroes them)
+                o.fill_(float("nan"))
+                continue
+            out, l = reference.dense(q[None].double(), kk[None].double(), v[None].double(), scale=k.scale,
+                                     window=k.window, bottom_right=k.bottom_right, sinks=sinks,
+                                     compute_dtype=torch.float64)
+            o.copy_(out[0])
+            lse.copy_(l[0])
+
+    def _backward(self, b):
+        k = self.key
+        assert not k.dropout_p, "the fake has no dropout"
+        (lq, lk), sinks, bias = self._options(b)
+        if k.ragged:
+            return self._backward_ragged(b, lq, lk, sinks)
+        q, kk, v, do = (self._dense(b[u], d).double() for u, d in ((UID.Q, k.q), (UID.K, k.k), (UID.V, k.v),
+                                                                   (UID.DO, k.do)))
+        self._dense(b[UID.LSE], k.lse)  # declared readable
+        dq, dk, dv, _ = reference.dense_backward(do, q, kk, v, scale=k.scale, window=k.window,
+                                                 bottom_right=k.bottom_right, sinks=sinks, bias=bias, seq_len_q=lq,
+                                                 seq_len_kv=lk, compute_dtype=torch.float64)
+        for uid, d, g in ((UID.DQ, k.dq, dq), (UID.DK, k.dk, dk), (UID.DV, k.dv, dv)):
+            self._dense(b[uid], d).copy_(g)
+
+    def _backward_ragged(self, b, lq, lk, sinks):
+        k = self.key
+        read = lambda uid, d, rag, n: self._ragged(b[uid], d, b[rag], n)  # noqa: E731
+        qs, dos, dqs = read(UID.Q, k.q, UID.RAG_Q, lq), read(UID.DO, k.do, UID.RAG_DO, lq), read(UID.DQ, k.dq, UID.RAG_DQ, lq)
+        ks, vs = read(UID.K, k.k, UID.RAG_K, lk), read(UID.V, k.v, UID.RAG_V, lk)
+        dks, dvs = read(UID.DK, k.dk, UID.RAG_DK, lk), read(UID.DV, k.dv, UID.RAG_DV, lk)
+        for q, kk, v, do, dq, dk, dv in zip(qs, ks, vs, dos, dqs, dks, dvs):
+            if q is None or kk is None:
+                continue
+            g = reference.dense_backward(do[None].double(), q[None].double(), kk[None].double(), v[None].double(),
+                                         scale=k.scale, window=k.window, bottom_right=k.bottom_right, sinks=sinks,
+                                         compute_dtype=torch.float64)
+            dq.copy_(g[0][0])
+            dk.copy_(g[1][0])
+            dv.copy_(g[2][0])
+
+
+def install(monkeypatch, caps: support.Capabilities = HOPPER) -> list:
+    """Route graph builds and executes to ``FakeGraph`` on CPU tensors; returns the list of graphs built."""
+    built = []
+
+    def build(key, handle):
+        g = FakeGraph(key)
+        built.append(g)
+        return graphs.Plan(graph=g, workspace=0, name="fake")
+
+    monkeypatch.setattr(graphs, "_build", build)
+    monkeypatch.setattr(graphs, "_handle", lambda device: "fake-handle")
+    monkeypatch.setattr(graphs, "_ORDERED", True)
+    monkeypatch.setattr(graphs, "cudnn", type("FakeCudnn", (), {"set_stream": staticmethod(lambda handle, stream: None)}))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
+    graphs.clear_cache()
+    return built
+
+
+def with_caps(**changes) -> support.Capabilities:
+    return dataclasses.replace(HOPPER, **changes)

@@ -1,0 +1,178 @@
+"""CPU tier: the engine (``dense``, ``packed``, ``binding``) against a stand-in cuDNN that reads and
+writes exactly what each graph key declares (tests/fake_cudnn.py).
+
+What this proves without a GPU: every operand layout the engine accepts is described to cuDNN as
+it really is (or repaired first), packed operands reach the graph contiguous, outputs come back in
+the layout policy's strides, a repeated signature reuses its binding, and out-of-range lengths
+reach the graph as zero lengths with NaN outputs. What it cannot prove (cuDNN's own kernels) is the
+GPU tier's job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_sdpa_provider import dense, graphs, layout, packed, reference
+from cudnn_sdpa_provider.graphs import UID
+from tests import fake_cudnn
+from tests.util import assert_rel_close
+
+TOL = 1e-6  # fp64 inside the fake, fp32 operands: only rounding of the inputs' dtype remains
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake_cudnn.FakeGraph.builds = 0
+    built = fake_cudnn.install(monkeypatch)
+    yield built
+    graphs.clear_cache()
+
+
+def _dense_views(kind: str, b=2, h=4, s=16, d=8, gen=None):
+    """q, k, v as model code builds them (float32 here: the fake computes in fp64)."""
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    if kind == "contiguous":
+        return r(b, h, s, d), r(b, h, s, d), r(b, h, s, d)
+    if kind == "bshd":  # one linear output split by heads, seen as BHSD
+        return tuple(r(b, s, h, d).transpose(1, 2) for _ in range(3))
+    if kind == "fused_qkv":
+        qkv = r(b, s, 3, h, d)
+        return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+    if kind == "head_slice":  # x[..., :d] of a wider head dim
+        return tuple(r(b, h, s, 2 * d)[..., :d] for _ in range(3))
+    if kind == "misaligned":  # base pointer one element in
+        return tuple(r(b * h * s * d + 1)[1:].view(b, h, s, d) for _ in range(3))
+    if kind == "expand_heads":  # GQA written as expand over heads (stride 0)
+        q = r(b, h, s, d)
+        return q, r(b, 1, s, d).expand(b, h, s, d), r(b, 1, s, d).expand(b, h, s, d)
+    raise ValueError(kind)
+
+
+DENSE_KINDS = ("contiguous", "bshd", "fused_qkv", "head_slice", "misaligned", "expand_heads")
+
+
+@pytest.mark.parametrize("kind", DENSE_KINDS)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3, 2)])
+def test_dense_forward_backward_on_every_layout(fake, kind, window):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _dense_views(kind, gen=gen)
+    go = torch.randn(2, 4, 16, 8, generator=gen).transpose(2, 3).contiguous().transpose(2, 3)  # its own layout
+    out, lse = dense.forward(q, k, v, scale=0.3, window=window)
+    want, want_lse = reference.dense(q.double(), k.double(), v.double(), scale=0.3, window=window,
+                                     compute_dtype=torch.float64)
+    assert_rel_close(out, want, TOL, "out")
+    assert_rel_close(lse, want_lse, TOL, "lse")
+    assert out.stride() == layout.dense_out(q, tuple(out.shape)).stride(), "out follows q's dimension order"
+    dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=0.3, window=window)
+    rq, rk, rv, _ = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=0.3,
+                                             window=window, compute_dtype=torch.float64)
+    for got, ref, name, src in ((dq, rq, "dq", q), (dk, rk, "dk", k), (dv, rv, "dv", v)):
+        assert_rel_close(got, ref, TOL, name)
+        assert got.stride() == torch.empty_like(src).stride(), f"{name} is empty_like its operand"
+    for call in (g.calls[-1] for g in fake):
+        for uid in (UID.Q, UID.K, UID.V):
+            assert layout.usable(call[uid]), f"{uid.name} reached the graph unusable"
+
+
+def test_a_repeated_signature_reuses_its_binding(fake):
+    q, k, v = _dense_views("bshd")
+    for _ in range(3):
+        dense.forward(q, k, v, scale=0.5)
+    assert fake_cudnn.FakeGraph.builds == 1 and len(fake[0].calls) == 3
+    q2, k2, v2 = _dense_views("misaligned")
+    dense.forward(q2, k2, v2, scale=0.5)
+    assert fake_cudnn.FakeGraph.builds == 2, "another alignment is another signature"
+
+
+def test_padded_dense_out_of_range_lengths_poison_their_batch_row(fake):
+    q, k, v = _dense_views("contiguous")
+    lq = torch.tensor([16, 5], dtype=torch.int32)
+    lk = torch.tensor([17, 3], dtype=torch.int32)  # 17 > S_kv: out of range for batch row 0
+    out, _ = dense.forward(q, k, v, scale=0.3, seq_len_q=lq, seq_len_kv=lk)
+    assert torch.isnan(out[0]).all(), "an out-of-range length is never computed as a clamped one"
+    want, _ = reference.dense(q[1:].double(), k[1:].double(), v[1:].double(), scale=0.3, seq_len_q=lq[1:],
+                              seq_len_kv=lk[1:], compute_dtype=torch.float64)
+    assert_rel_close(out[1:], want, TOL, "the valid batch row")
+    assert (out[1, :, 5:] == 0).all(), "padded rows are 0"
+
+
+# ------------------------------------------------------------------------------------- varlen
+
+LENS = (5, 0, 9, 3)
+
+
+def _cu(lens=LENS):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+
+
+def _packed_views(kind: str, t=17, h=4, d=8, gen=None):
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    if kind == "contiguous":
+        return r(t, h, d), r(t, h, d), r(t, h, d)
+    if kind == "fused_qkv":  # qkv.view(T, 3, H, D).unbind(1): issue #14 item 1
+        return r(t, 3, h, d).unbind(1)
+    if kind == "fused_kv":
+        kv = r(t, 2, h, d)
+        return (r(t, h, d),) + kv.unbind(1)
+    if kind == "head_slice_q":  # base[..., :D] of (T, H, 2D): issue #14 item 2
+        return r(t, h, 2 * d)[..., :d], r(t, h, d), r(t, h, d)
+    if kind == "htd":  # (H, T, D) storage seen as (T, H, D): issue #14 item 7
+        return tuple(r(h, t, d).transpose(0, 1) for _ in range(3))
+    if kind == "misaligned":
+        return tuple(r(t * h * d + 1)[1:].view(t, h, d) for _ in range(3))
+    raise ValueError(kind)
+
+
+PACKED_KINDS = ("contiguous", "fused_qkv", "fused_kv", "head_slice_q", "htd", "misaligned")
+
+
+@pytest.mark.parametrize("kind", PACKED_KINDS)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0)])
+def test_packed_forward_backward_on_every_layout(fake, kind, window):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = _packed_views(kind, gen=gen)
+    cu = _cu()
+    go = torch.randn(4, 17, 8, generator=gen).transpose(0, 1)  # grad_out with a layout of its own
+    out, lse = packed.forward(q, k, v, cu, cu, 9, 9, scale=0.4, window=window, bottom_right=True)
+    want, want_lse = reference.varlen(q.double(), k.double(), v.double(), cu, cu, 9, 9, scale=0.4, window=window,
+                                      bottom_right=True, compute_dtype=torch.float64)
+    assert_rel_close(out, want, TOL, "out")
+    assert_rel_close(lse, want_lse.masked_fill(torch.isinf(want_lse), 0), TOL, "lse")
+    assert out.stride() == torch.empty_like(q).stride(), "out is empty_like(q), as FlashAttention's"
+    dq, dk, dv, _ = packed.backward(go, q, k, v, out, lse, cu, cu, 9, 9, scale=0.4, window=window, bottom_right=True)
+    rq, rk, rv, _ = reference.varlen_backward(go.double(), q.double(), k.double(), v.double(), cu, cu, 9, 9,
+                                              scale=0.4, window=window, bottom_right=True,
+                                              compute_dtype=torch.float64)
+    for got, ref, name, src in ((dq, rq, "dq", q), (dk, rk, "dk", k), (dv, rv, "dv", v)):
+        assert_rel_close(got, ref, TOL, name)
+        assert got.stride() == torch.empty_like(src).stride(), f"{name} is empty_like its operand"
+    for g in fake:
+        for call in g.calls:
+            for uid in (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.DQ, UID.DK, UID.DV):
+                if uid in call:
+                    assert layout.packed_usable(call[uid]), f"{uid.name} reached the ragged graph non-contiguous"
+            assert len({call[u].untyped_storage().data_ptr() for u in (UID.Q, UID.K, UID.V)}) == 3, \
+                "q, k, v reach the ragged graph as separate buffers"
+
+
+@pytest.mark.parametrize("bad", ["past_the_end", "decreasing", "longer_than_max", "nonzero_start"])
+def test_packed_out_of_range_lengths_read_nothing_and_give_nan(fake, bad):
+    q, k, v = _packed_views("contiguous")
+    cu = {"past_the_end": [0, 5, 9, 30], "decreasing": [0, 9, 5, 17], "longer_than_max": [0, 12, 14, 17],
+          "nonzero_start": [2, 5, 9, 17]}[bad]
+    cu = torch.tensor(cu, dtype=torch.int32)
+    out, lse = packed.forward(q, k, v, cu, cu, 9, 9, scale=0.4)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    call = fake[-1].calls[-1]
+    assert (call[UID.SEQ_Q] == 0).all() and (call[UID.RAG_Q] == 0).all(), "cuDNN is given nothing to read"
+    go = torch.randn_like(out)
+    dq, dk, dv, _ = packed.backward(go, q, k, v, out, lse, cu, cu, 9, 9, scale=0.4)
+    assert all(torch.isnan(g).all() for g in (dq, dk, dv))
+
+
+def test_packed_rows_past_the_last_sequence_are_zero(fake):
+    q, k, v = _packed_views("htd")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)  # 17 tokens, 10 used
+    out, _ = packed.forward(q, k, v, cu, cu, 6, 6, scale=0.4)
+    assert (out[10:] == 0).all() and out.stride() == torch.empty_like(q).stride()
