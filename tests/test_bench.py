@@ -13,7 +13,7 @@ import torch
 from cudnn_sdpa_provider import bench, cli
 from cudnn_sdpa_provider.bench import Case, Measurement, Row
 
-FACTS_DENSE = {(4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128)}
+DOCUMENTED_DENSE = {(4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128)}
 
 
 def by_name(name: str) -> Case:
@@ -39,7 +39,7 @@ def test_matrix_names_unique_and_well_formed():
 
 def test_matrix_has_the_documented_cases():
     dense = {(c.batch, c.h_q, c.seq, c.head_dim, c.causal) for c in bench.MATRIX if c.kind == "dense" and not c.gqa}
-    for b, h, s, d in FACTS_DENSE:
+    for b, h, s, d in DOCUMENTED_DENSE:
         assert (b, h, s, d, False) in dense and (b, h, s, d, True) in dense
     gqa = [c for c in bench.MATRIX if c.gqa and c.kind == "dense"]
     assert [(c.batch, c.h_q, c.h_kv, c.seq, c.head_dim, c.causal) for c in gqa] == [(1, 32, 8, 16384, 128, True)]
@@ -51,14 +51,14 @@ def test_matrix_has_the_documented_cases():
     assert len(varlen.seq_lens) == 16 == varlen.batch
     assert all(128 <= n <= 4096 for n in varlen.seq_lens)
     assert varlen.seq == max(varlen.seq_lens) and varlen.causal and (varlen.h_q, varlen.head_dim) == (16, 128)
-    assert varlen.seq_lens == bench._varlen_lengths()  # a fixed seed: the same mix every run
-    (padded,) = [c for c in bench.MATRIX if c.kind == "padded"]  # Performance issue, target 4(a)
+    assert varlen.seq_lens == bench.cases.varlen_lengths()  # a fixed seed: the same mix every run
+    (padded,) = [c for c in bench.MATRIX if c.kind == "padded"]
     assert (padded.h_q, padded.h_kv, padded.seq, padded.head_dim, padded.causal) == (32, 8, 4096, 128, True)
     assert len(padded.seq_lens) == padded.batch and max(padded.seq_lens) == padded.seq
 
 
 def test_padded_lengths_average_a_quarter_padding():
-    lens = bench._padded_lengths(8, 4096)
+    lens = bench.cases.padded_lengths(8, 4096)
     assert lens[0] == 4096 and lens[-1] == 2048 and list(lens) == sorted(lens, reverse=True)
     assert 1 - sum(lens) / (8 * 4096) == pytest.approx(0.25, abs=1e-3)
     assert "25% padding" in by_name("padded_b8_h32kv8_s4096_d128_causal").describe()
@@ -66,13 +66,13 @@ def test_padded_lengths_average_a_quarter_padding():
 
 def test_padding_mask_is_key_padding_and_causal():
     lens = torch.tensor([3, 1], dtype=torch.int32)
-    mask = bench._padding_mask(lens, 4, causal=True)
+    mask = bench.inputs.padding_mask(lens, 4, causal=True)
     assert mask.shape == (2, 1, 4, 4) and mask.dtype == torch.bool and mask.is_contiguous()
     for b, n in enumerate((3, 1)):
         for i in range(4):
             for j in range(4):
                 assert bool(mask[b, 0, i, j]) == (j < n and j <= i), (b, i, j)
-    assert bench._padding_mask(lens, 4, causal=False)[0, 0].tolist() == [[True, True, True, False]] * 4
+    assert bench.inputs.padding_mask(lens, 4, causal=False)[0, 0].tolist() == [[True, True, True, False]] * 4
 
 
 def test_select_and_validation_errors_name_the_choices():
@@ -244,7 +244,7 @@ def test_collect_meta_on_cpu():
     assert meta["command"] == "cudnn-sdpa bench --quick"
     assert meta["settings"] == {"repeats": 5} and meta["torch"] == torch.__version__
     assert set(meta["cases"]) == {c.name for c in bench.MATRIX}
-    assert meta["cases"]["varlen_n16_h16_d128_causal"]["seq_lens"] == bench._varlen_lengths()
+    assert meta["cases"]["varlen_n16_h16_d128_causal"]["seq_lens"] == bench.cases.varlen_lengths()
     json.dumps(meta)
 
 
@@ -262,6 +262,41 @@ def test_plot_writes_a_file(tmp_path):
     out = tmp_path / "bench.png"
     bench.plot(rows, str(out))
     assert out.stat().st_size > 0
+
+
+# ------------------------------------------------------------------------ data only, no printing
+
+
+def test_no_bench_module_prints():
+    import pathlib
+
+    for path in pathlib.Path(bench.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        for needle in ("print(", "sys.stdout", "sys.stderr"):
+            assert needle not in text, (path.name, needle)
+
+
+@pytest.mark.xfail(strict=True, reason="pyproject.toml's [tool.setuptools] packages does not list "
+                   "cudnn_sdpa_provider.bench yet: `pip install .` would leave the bench out (remove this mark then)")
+def test_pyproject_installs_the_bench_package():
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert '"cudnn_sdpa_provider.bench"' in text
+
+
+def test_a_path_that_raises_is_recorded_and_logged_not_printed(caplog, capsys):
+    def boom():
+        raise RuntimeError("boom")
+
+    live = bench.measure._Live("native")
+    with caplog.at_level("ERROR", logger="cudnn_sdpa_provider.bench"):
+        bench.measure._guard(live, boom, {})  # raises before any CUDA call
+    assert (live.m.skip, live.m.error) == ("RuntimeError: boom", True)
+    (record,) = caplog.records
+    assert record.getMessage() == "bench: path native raised:" and record.exc_info[1].args == ("boom",)
+    assert capsys.readouterr().out == ""
+    assert bench.summarize(by_name("tiny_b1_h2_s128_d64_causal"), "fwd", live.m, 0.0, 1).status == "error"
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -391,14 +426,14 @@ def test_progress_writes_lines_when_not_a_tty():
     assert stream.getvalue().splitlines() == [cli._progress_line(1, 2, "one"), cli._progress_line(2, 2, "two")]
 
 
-def test_peer_paths_are_checked_before_anything_runs(monkeypatch):
+def test_peer_paths_are_checked_before_anything_runs():
     for bad in ("provider_x", "native_cudnn", "flash"):
         with pytest.raises(ValueError, match="peer path name"):
             bench.run(["tiny_b1_h2_s128_d64_causal"], peers={bad: None})
-    monkeypatch.setattr(bench, "_PEERS", {"nvidia_x": None})
-    assert bench._paths(by_name("tiny_b1_h2_s128_d64_causal"))[-1] == "nvidia_x"
-    assert "nvidia_x" not in bench._paths(by_name("padded_b8_h32kv8_s4096_d128_causal"))  # masks go to C++ there
-    assert "nvidia_x" not in bench._paths(by_name("step_tinygqa_b2_s128"))
+    peers = {"nvidia_x": None}
+    assert bench.cases.case_paths(by_name("tiny_b1_h2_s128_d64_causal"), peers)[-1] == "nvidia_x"
+    assert "nvidia_x" not in bench.cases.case_paths(by_name("padded_b8_h32kv8_s4096_d128_causal"), peers)  # masks
+    assert "nvidia_x" not in bench.cases.case_paths(by_name("step_tinygqa_b2_s128"), peers)
 
 
 def test_peer_script_lists_cases_without_cuda():

@@ -1,4 +1,5 @@
-"""GPU tier: a smoke run of ``cudnn-sdpa bench`` at the tiny host-cost shape (no speed asserted)."""
+"""GPU tier: smoke runs of ``cudnn-sdpa bench`` at tiny sizes (no speed asserted): every row timed,
+every provider call served."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_quick_tiny_run_rows_served_and_timed():
 
 
 def test_padded_and_graphed_step_cases_run_served():
-    padded = bench.Case("padded_small", "padded", 2, 8, 2, 512, 64, True, seq_lens=bench._padded_lengths(2, 512))
+    padded = bench.Case("padded_small", "padded", 2, 8, 2, 512, 64, True, seq_lens=bench.cases.padded_lengths(2, 512))
     step = bench.select(["step_tinygqa_b2_s128"])[0]
     rows = bench.run([padded, step], repeats=3, warmup=1, host_calls=5)
     by = {(r.case, r.mode, r.path): r for r in rows}
@@ -51,3 +52,4 @@ def test_padded_and_graphed_step_cases_run_served():
     assert graphed.replays == graphed.calls - python_steps > 0, graphed
     for r in rows:
         assert r.status in ("ok", "skipped"), r
+
