@@ -17,10 +17,16 @@ Paths by kind:
            provider, native   eager steps (native: provider off, PyTorch choosing the backend)
            provider_graphed   the same step captured once in a CUDA graph under the provider (after
                               warm-up steps that build every cuDNN graph), then ``graph.replay()``
+  hf_llama (a training step of Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig``, random
+           weights, on a right-padded batch whose padded labels are -100)
+           native         ``attn_implementation="sdpa"``, provider off
+           provider       the same model inside ``enable()`` (transformers' boolean mask: the cuDNN bias path)
+           provider_hf    ``integrations.transformers.register()``, then ``attn_implementation="cudnn"``
+                          (right padding reaches cuDNN as per-sequence lengths), provider not enabled
 
 Modes: ``fwd`` (inference: inputs do not require grad, so no logsumexp is computed) and ``fwd_bwd``
 (forward, then ``torch.autograd.grad`` with a random grad_out; nothing accumulates into ``.grad``).
-Training steps (``step``) have ``fwd_bwd`` only.
+Training steps (``step``, ``hf_llama``) have ``fwd_bwd`` only.
 """
 
 from __future__ import annotations
@@ -30,25 +36,29 @@ from dataclasses import dataclass
 from typing import Iterable
 
 __all__ = ["Case", "Preset", "MATRIX", "MODES", "DEFAULT", "QUICK", "QUICK_CASES", "BASELINE", "select",
-           "quick_matrix", "check_modes", "check_settings", "fwd_flops", "flops", "expected_calls"]
+           "quick_matrix", "check_modes", "check_settings", "fwd_flops", "flops", "expected_calls", "llama_config"]
 
 MODES = ("fwd", "fwd_bwd")
 DENSE_PATHS = ("provider", "native_cudnn", "flash", "efficient")
 VARLEN_PATHS = ("provider", "native_varlen")
 PADDED_PATHS = ("provider", "provider_bias", "native_cudnn", "native", "efficient")
 STEP_PATHS = ("provider", "provider_graphed", "native")
-PATHS = {"dense": DENSE_PATHS, "varlen": VARLEN_PATHS, "padded": PADDED_PATHS, "step": STEP_PATHS}
+HF_PATHS = ("provider", "provider_hf", "native")
+PATHS = {"dense": DENSE_PATHS, "varlen": VARLEN_PATHS, "padded": PADDED_PATHS, "step": STEP_PATHS,
+         "hf_llama": HF_PATHS}
 #: Each kind's baselines for ``vs_native``, in order of preference (the first one that ran).
 BASELINE = {"dense": ("native_cudnn",), "varlen": ("native_varlen",), "padded": ("native_cudnn", "native"),
-            "step": ("native",)}
+            "step": ("native",), "hf_llama": ("native",)}
 #: Kinds whose unit is a whole training step: fwd_bwd only, no attention flop count.
-STEP_KINDS = ("step",)
+STEP_KINDS = ("step", "hf_llama")
 #: Peer paths (``run(peers=...)``) are added to these kinds only (the others pass masks or models).
 PEER_KINDS = ("dense", "varlen")
 #: fwd+bwd counts 3.5x the forward's flops: the forward is 2 matmuls (Q K^T, P V), the backward 5
 #: (Q K^T recomputed, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q). The convention of
 #: FlashAttention's benchmarks/benchmark_flash_attention.py (``flops(..., mode="fwd_bwd")``).
 BWD_FACTOR = 3.5
+#: hf_llama cases: Llama 2's vocabulary size (LlamaConfig's default).
+HF_VOCAB = 32000
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,11 @@ class Case:
             shape = f"B={self.batch} S={self.seq} {self._padding()}"
         elif self.kind == "step":
             shape = f"training step of demo.TinyGQA ({self.layers} layers), B={self.batch} S={self.seq}"
+        elif self.kind == "hf_llama":
+            cfg = llama_config(self)
+            shape = (f"training step of HF LlamaForCausalLM ({self.layers} layers, hidden {cfg['hidden_size']}, "
+                     f"MLP {cfg['intermediate_size']}, vocab {cfg['vocab_size']}), B={self.batch} S={self.seq} "
+                     f"{self._padding()}")
         else:
             shape = f"B={self.batch} S={self.seq}"
         extra = ", host cost" if self.host else ""
@@ -121,15 +136,37 @@ def padded_lengths(batch: int, seq: int, mean_pad: float = 0.25) -> tuple[int, .
     return tuple(seq - round(seq * 2 * mean_pad * i / (batch - 1)) for i in range(batch))
 
 
+def llama_intermediate(hidden: int, multiple_of: int = 256) -> int:
+    """The SwiGLU width of Meta's Llama reference code (``FeedForward`` in llama/model.py): 2/3 of
+    4 x hidden, rounded up to a multiple of 256 (5632 at hidden 2048, TinyLlama-1.1B's width)."""
+    width = int(2 * 4 * hidden / 3)
+    return multiple_of * -(-width // multiple_of)
+
+
+def llama_config(case: Case) -> dict:
+    """``LlamaConfig`` keyword arguments of an ``hf_llama`` case: hidden = H_q x D, no dropout."""
+    hidden = case.h_q * case.head_dim
+    return dict(vocab_size=HF_VOCAB, hidden_size=hidden, intermediate_size=llama_intermediate(hidden),
+                num_hidden_layers=case.layers, num_attention_heads=case.h_q, num_key_value_heads=case.h_kv,
+                head_dim=case.head_dim, max_position_embeddings=case.seq, attention_dropout=0.0)
+
+
 def _dense(b: int, h: int, s: int, d: int, causal: bool) -> Case:
     return Case(f"b{b}_h{h}_s{s}_d{d}" + ("_causal" if causal else ""), "dense", b, h, h, s, d, causal)
+
+
+def _hf_llama(layers: int, b: int, h: int, kv: int, s: int, d: int) -> Case:
+    return Case(f"hf_llama_l{layers}_d{h * d}_b{b}_s{s}_padded", "hf_llama", b, h, kv, s, d, True,
+                seq_lens=padded_lengths(b, s), layers=layers)
 
 
 _LENS = varlen_lengths()
 
 #: The default matrix: six GPU-bound dense shapes (three sizes, causal and not), a Llama-3 GQA long
 #: sequence, a varlen mix, a padded Llama-3 GQA batch (lengths against the mask), the tiny shape
-#: whose time is all host cost, and a small training step (eager against CUDA-graph replay).
+#: whose time is all host cost, a small training step (eager against CUDA-graph replay), and a
+#: Hugging Face Llama training step (4 layers, hidden 2048, 16/4 heads, B=4 x S=2048 right-padded)
+#: with a tiny variant of it (2 layers, hidden 256, B=2 x S=256) that runs in seconds.
 MATRIX: tuple[Case, ...] = (
     *(_dense(b, h, s, d, c) for b, h, s, d in ((4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128))
       for c in (False, True)),
@@ -139,6 +176,8 @@ MATRIX: tuple[Case, ...] = (
          seq_lens=padded_lengths(8, 4096)),
     Case("tiny_b1_h2_s128_d64_causal", "dense", 1, 2, 2, 128, 64, True, host=True),
     Case("step_tinygqa_b2_s128", "step", 2, 4, 2, 128, 64, True, host=True, layers=2),
+    _hf_llama(4, 4, 16, 4, 2048, 128),
+    _hf_llama(2, 2, 4, 1, 256, 64),
 )
 QUICK_CASES = ("b16_h16_s1024_d64_causal", "varlen_n16_h16_d128_causal", "tiny_b1_h2_s128_d64_causal")
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import activation
 from .cases import DEFAULT, MODES, Case, Preset, case_paths, check_modes, check_peers, check_settings, select
-from .inputs import make_sets, set_bytes
+from .inputs import make_sets, set_bytes, unavailable
 from .paths import capture, scope, step
 from .report import Measurement, Row, add_ratios, summarize
 
@@ -169,7 +169,20 @@ def _case_modes(case: Case, modes: tuple) -> list[str]:
     return [m for m in modes if m in case.modes]
 
 
+def _unavailable_rows(case: Case, modes: tuple, reason: str, tick: Callable, peers: dict) -> list[Row]:
+    """Every path of a case that cannot run here, skipped with ``reason`` (nothing touches the GPU)."""
+    rows = []
+    for mode in _case_modes(case, modes):
+        for path in case_paths(case, peers):
+            rows.append(summarize(case, mode, Measurement(path, skip=reason), set_bytes(case, mode) / 2**20, 0))
+            tick(f"{case.name} {mode} {path}")
+    return rows
+
+
 def _bench_case(case: Case, modes: tuple, cfg: Preset, tick: Callable, peers: dict) -> list[Row]:
+    reason = unavailable(case)
+    if reason is not None:
+        return _unavailable_rows(case, modes, reason, tick, peers)
     sets = make_sets(case)
     try:
         rows = []

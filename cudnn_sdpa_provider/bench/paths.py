@@ -1,6 +1,6 @@
 """What each path runs and inside which scope: the step function of a (case, mode, path), the
-scopes (provider enabled, a native backend forced, a peer's), and the capture of the graphed
-training step. The paths are listed in ``cases``."""
+scopes (provider enabled, a native backend forced, the transformers integration registered, a
+peer's), and the capture of the graphed training step. The paths are listed in ``cases``."""
 
 from __future__ import annotations
 
@@ -13,14 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from .. import activation, counters
+from ..integrations.transformers import DEFAULT_NAME as _HF_NAME
 from .cases import Case
-from .inputs import StepSet
+from .inputs import HFSet, StepSet
 from .report import Measurement
 
-__all__ = ["step", "scope", "capture", "GRAPH_WARMUP_STEPS"]
+__all__ = ["step", "scope", "capture", "GRAPH_WARMUP_STEPS", "HF_IMPLEMENTATION"]
 
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before capture: every cuDNN graph is built by then
 _BACKENDS = {"native_cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+#: hf_llama paths: the ``attn_implementation`` each one's model is built with.
+HF_IMPLEMENTATION = {"native": "sdpa", "provider": "sdpa", "provider_hf": _HF_NAME}
 
 
 def _varlen_kwargs(fn, causal: bool) -> dict:
@@ -51,10 +54,20 @@ def _train_step(s: StepSet) -> None:
     F.cross_entropy(logits.float().flatten(0, 1), s.tokens[:, 1:].flatten()).backward()  # grads accumulate
 
 
+def _hf_step(impl: str) -> Callable:
+    def train_step(s: HFSet) -> None:
+        model = s.model(impl)
+        model(input_ids=s.ids, attention_mask=s.mask, labels=s.labels).loss.backward()  # grads accumulate
+
+    return train_step
+
+
 def step(case: Case, mode: str, path: str) -> Callable:
     """The function one call of the path runs, given one input set."""
     if case.kind == "step":
         return _train_step
+    if case.kind == "hf_llama":
+        return _hf_step(HF_IMPLEMENTATION[path])
     attn = _attn(case, path)
     if mode == "fwd":
         return lambda s: attn(s, s.qd, s.kd, s.vd)
@@ -108,10 +121,25 @@ def _provider_scope(m: Measurement):
         yield
 
 
+@contextlib.contextmanager
+def _integration_scope(m: Measurement):
+    """attn_implementation="cudnn" registered with transformers (provider not enabled), counted."""
+    from ..integrations import transformers as csp_hf
+
+    registration = csp_hf.register(HF_IMPLEMENTATION["provider_hf"])
+    try:
+        with _counted(m):
+            yield
+    finally:
+        registration.remove()
+
+
 def scope(m: Measurement, peers: dict):
     """The context manager the path's calls run in; ``peers``: {name: () -> context manager}."""
     if m.path in peers:
         return peers[m.path]()
+    if m.path == "provider_hf":
+        return _integration_scope(m)
     if m.path.startswith("provider"):
         return _provider_scope(m)
     if m.path in _BACKENDS:

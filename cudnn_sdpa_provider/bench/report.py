@@ -11,7 +11,7 @@ Row metrics:
                   native_varlen; padded: native_cudnn, else native if cuDNN declined; steps: native)
   peak_mib        peak memory allocated during one call above what was allocated before it (inputs,
                   and for steps the model, its gradients and activations kept between steps)
-  inputs_mib      one input set: q, k, v (and grad_out for fwd_bwd)
+  inputs_mib      one input set: q, k, v (and grad_out for fwd_bwd); hf_llama: the token batch
   host_us         host-cost cases: wall time per call of ``host_calls`` back-to-back calls, no sync
                   inside the loop, one at the end
   host_vs_native  baseline host_us / this host_us, >1 = cheaper on the host
@@ -21,7 +21,7 @@ Row metrics:
                   (``expected``: graph replays run no Python, so only the warm-up and capture steps
                   count); otherwise its status is "fallback" or "unserved" and its numbers are not
                   the provider's.
-Status: ok | skipped (PyTorch cannot run the path) | fallback | unserved | error
+Status: ok | skipped (PyTorch or the environment cannot run the path) | fallback | unserved | error
 (exception; reason).
 """
 
