@@ -27,8 +27,9 @@ def nvidia_cudnn_torch():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # On torch <= 2.12 a second Python override of an op raises. The provider's backward override
-    # stays registered while a forward it served can still be differentiated; in run 9 it was still
-    # there after the provider's rows (collected late?), so collect first.
+    # stays registered while a forward it served can still be differentiated, i.e. until the
+    # autograd graphs of its rows are gone; they may sit in reference cycles, so collect first
+    # (docs/troubleshooting.md, "Backward after the scope exits").
     gc.collect()
     handle = peer.install_sdpa_overrides()
     try:

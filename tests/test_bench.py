@@ -13,7 +13,8 @@ import torch
 from cudnn_sdpa_provider import bench, cli
 from cudnn_sdpa_provider.bench import Case, Measurement, Row
 
-FACTS_DENSE = {(4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128)}
+DOCUMENTED_DENSE = {(4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128)}
+HF_CASE, HF_TINY = "hf_llama_l4_d2048_b4_s2048_padded", "hf_llama_l2_d256_b2_s256_padded"
 
 
 def by_name(name: str) -> Case:
@@ -27,19 +28,19 @@ def test_matrix_names_unique_and_well_formed():
     names = [c.name for c in bench.MATRIX]
     assert len(names) == len(set(names))
     paths = {"dense": bench.DENSE_PATHS, "varlen": bench.VARLEN_PATHS, "padded": bench.PADDED_PATHS,
-             "step": bench.STEP_PATHS}
+             "step": bench.STEP_PATHS, "hf_llama": bench.HF_PATHS}
     for c in bench.MATRIX:
         assert c.h_q % c.h_kv == 0
         assert c.paths == paths[c.kind]
         assert set(bench.BASELINE[c.kind]) <= set(c.paths) and "provider" in c.paths
-        assert c.modes == (("fwd_bwd",) if c.kind == "step" else bench.MODES)
+        assert c.modes == (("fwd_bwd",) if c.kind in ("step", "hf_llama") else bench.MODES)
         assert c.describe()
     assert set(bench.QUICK_CASES) <= set(names)
 
 
 def test_matrix_has_the_documented_cases():
     dense = {(c.batch, c.h_q, c.seq, c.head_dim, c.causal) for c in bench.MATRIX if c.kind == "dense" and not c.gqa}
-    for b, h, s, d in FACTS_DENSE:
+    for b, h, s, d in DOCUMENTED_DENSE:
         assert (b, h, s, d, False) in dense and (b, h, s, d, True) in dense
     gqa = [c for c in bench.MATRIX if c.gqa and c.kind == "dense"]
     assert [(c.batch, c.h_q, c.h_kv, c.seq, c.head_dim, c.causal) for c in gqa] == [(1, 32, 8, 16384, 128, True)]
@@ -51,14 +52,14 @@ def test_matrix_has_the_documented_cases():
     assert len(varlen.seq_lens) == 16 == varlen.batch
     assert all(128 <= n <= 4096 for n in varlen.seq_lens)
     assert varlen.seq == max(varlen.seq_lens) and varlen.causal and (varlen.h_q, varlen.head_dim) == (16, 128)
-    assert varlen.seq_lens == bench._varlen_lengths()  # a fixed seed: the same mix every run
-    (padded,) = [c for c in bench.MATRIX if c.kind == "padded"]  # Performance issue, target 4(a)
+    assert varlen.seq_lens == bench.cases.varlen_lengths()  # a fixed seed: the same mix every run
+    (padded,) = [c for c in bench.MATRIX if c.kind == "padded"]
     assert (padded.h_q, padded.h_kv, padded.seq, padded.head_dim, padded.causal) == (32, 8, 4096, 128, True)
     assert len(padded.seq_lens) == padded.batch and max(padded.seq_lens) == padded.seq
 
 
 def test_padded_lengths_average_a_quarter_padding():
-    lens = bench._padded_lengths(8, 4096)
+    lens = bench.cases.padded_lengths(8, 4096)
     assert lens[0] == 4096 and lens[-1] == 2048 and list(lens) == sorted(lens, reverse=True)
     assert 1 - sum(lens) / (8 * 4096) == pytest.approx(0.25, abs=1e-3)
     assert "25% padding" in by_name("padded_b8_h32kv8_s4096_d128_causal").describe()
@@ -66,13 +67,13 @@ def test_padded_lengths_average_a_quarter_padding():
 
 def test_padding_mask_is_key_padding_and_causal():
     lens = torch.tensor([3, 1], dtype=torch.int32)
-    mask = bench._padding_mask(lens, 4, causal=True)
+    mask = bench.inputs.padding_mask(lens, 4, causal=True)
     assert mask.shape == (2, 1, 4, 4) and mask.dtype == torch.bool and mask.is_contiguous()
     for b, n in enumerate((3, 1)):
         for i in range(4):
             for j in range(4):
                 assert bool(mask[b, 0, i, j]) == (j < n and j <= i), (b, i, j)
-    assert bench._padding_mask(lens, 4, causal=False)[0, 0].tolist() == [[True, True, True, False]] * 4
+    assert bench.inputs.padding_mask(lens, 4, causal=False)[0, 0].tolist() == [[True, True, True, False]] * 4
 
 
 def test_select_and_validation_errors_name_the_choices():
@@ -126,6 +127,113 @@ def test_padded_flops_count_real_lengths_and_step_has_none():
     assert bench.fwd_flops(step) is None and bench.flops(step, "fwd_bwd") is None
     row = bench.summarize(step, "fwd_bwd", Measurement("native", times_ms=[1.0]), 0.0, 1)
     assert row.status == "ok" and row.tflops is None and row.median_ms == 1.0
+
+
+# ------------------------------------------------------------------ the Hugging Face Llama step
+
+
+def test_hf_llama_case_is_the_model_level_target():
+    # 4 layers, hidden 2048, 16/4 heads, B=4 x S=2048 right-padded by 25% on average, causal
+    c = by_name(HF_CASE)
+    assert (c.kind, c.layers, c.batch, c.seq, c.h_q, c.h_kv, c.head_dim, c.causal) == \
+        ("hf_llama", 4, 4, 2048, 16, 4, 128, True)
+    assert c.seq_lens == bench.cases.padded_lengths(4, 2048) == (2048, 1707, 1365, 1024)
+    assert c.paths == bench.HF_PATHS == ("provider", "provider_hf", "native") and c.modes == ("fwd_bwd",)
+    assert bench.BASELINE["hf_llama"] == ("native",) and not c.host
+    text = c.describe()
+    for part in ("LlamaForCausalLM", "4 layers", "hidden 2048", "MLP 5632", "vocab 32000", "B=4 S=2048",
+                 "lengths 1024..2048", "25% padding", "H=16/4 (GQA)", "D=128", "causal"):
+        assert part in text, (part, text)
+
+
+def test_hf_llama_tiny_variant_has_the_same_form():
+    big, tiny = by_name(HF_CASE), by_name(HF_TINY)
+    assert tiny.kind == big.kind and tiny.h_q // tiny.h_kv == big.h_q // big.h_kv == 4
+    assert (tiny.layers, tiny.batch, tiny.seq, tiny.h_q * tiny.head_dim) == (2, 2, 256, 256)
+    assert 1 - sum(tiny.seq_lens) / (tiny.batch * tiny.seq) == pytest.approx(0.25)
+    assert "hidden 256" in tiny.describe() and "25% padding" in tiny.describe()
+
+
+def test_hf_llama_config_follows_llamas_width_rule():
+    cfg = bench.cases.llama_config(by_name(HF_CASE))
+    assert cfg == dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=2048,
+                       attention_dropout=0.0)
+    assert bench.cases.llama_intermediate(4096) == 11008  # Llama 2 7B's MLP width
+    assert bench.cases.llama_intermediate(256) == 768
+    hf = pytest.importorskip("transformers")
+    built = hf.LlamaConfig(**cfg)
+    assert (built.hidden_size, built.intermediate_size, built.num_key_value_heads) == (2048, 5632, 4)
+    assert bench.inputs.unavailable(by_name(HF_CASE)) is None  # transformers 5 is importable here
+
+
+def test_hf_llama_with_old_transformers_says_which_version(monkeypatch):
+    hf = pytest.importorskip("transformers")
+    monkeypatch.setattr(hf, "__version__", "4.57.1")
+    assert bench.inputs.unavailable(by_name(HF_TINY)) == \
+        "the Hugging Face Llama case needs transformers >= 5, found 4.57.1"
+
+
+def test_hf_llama_rows_have_no_flops_and_count_every_layer():
+    c = by_name(HF_TINY)
+    assert bench.fwd_flops(c) is None and bench.flops(c, "fwd_bwd") is None
+    assert bench.expected_calls(c, "fwd_bwd", 5) == 5 * 2 * 2  # 2 layers, a forward and a backward each
+    ok = bench.summarize(c, "fwd_bwd", Measurement("provider_hf", times_ms=[3.0], calls=5, served=20), 0.0, 1)
+    assert (ok.status, ok.tflops, ok.expected, ok.served) == ("ok", None, 20, 20)
+    short = bench.summarize(c, "fwd_bwd", Measurement("provider", times_ms=[3.0], calls=5, served=18,
+                                                      fallback={"attn_bias": 2}), 0.0, 1)
+    assert short.status == "fallback" and "2 of 20" in short.reason
+    rows = bench.add_ratios([bench.summarize(c, "fwd_bwd", Measurement(p, times_ms=[t], calls=1, served=4), 0.0, 1)
+                             for p, t in (("provider", 4.0), ("provider_hf", 2.0), ("native", 4.0))])
+    assert [r.vs_native for r in rows] == [1.0, 2.0, 1.0]
+
+
+def test_hf_llama_selection_on_the_command_line(monkeypatch):
+    calls = _fake_run(monkeypatch, [_row(ms=2.0)])
+    assert cli.main(["bench", "--shapes", f"{HF_TINY},{HF_CASE}", "--modes", "fwd_bwd"]) == cli.EXIT_OK
+    (names, kw), = calls
+    assert names == [HF_TINY, HF_CASE] and kw["modes"] == ("fwd_bwd",)
+    assert HF_TINY not in bench.QUICK_CASES  # the quick preset's case count is in the CLI's help
+
+
+def _block_transformers(monkeypatch):
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+
+
+def test_hf_llama_without_transformers_is_skipped_with_what_to_install(monkeypatch):
+    assert bench.inputs.unavailable(by_name("tiny_b1_h2_s128_d64_causal")) is None  # only hf_llama needs it
+    _block_transformers(monkeypatch)
+    why = bench.inputs.unavailable(by_name(HF_TINY))
+    assert "transformers is not importable" in why and "pip install 'transformers>=5'" in why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing below may touch CUDA
+    seen = []
+    rows = bench.run([HF_TINY, HF_CASE], progress=lambda d, t, label: seen.append((d, t)))
+    assert [(r.case, r.path) for r in rows] == [(c, p) for c in (HF_TINY, HF_CASE) for p in bench.HF_PATHS]
+    assert all(r.status == "skipped" and r.reason == why and r.median_ms is None for r in rows)
+    assert seen[-1] == (6, 6)
+    assert "SKIPPED: transformers is not importable" in bench.format_table(rows)
+
+
+def test_hf_llama_step_on_cpu_counts_every_attention_call():
+    """The paths' steps and scopes on a CPU-sized Llama: every call falls back (no_cuda) but each is
+    counted, as many as ``expected_calls`` says, and every implementation gets the same weights."""
+    pytest.importorskip("transformers")
+    case = Case("hf_cpu", "hf_llama", 2, 2, 1, 16, 8, True, seq_lens=bench.cases.padded_lengths(2, 16), layers=2)
+    s = bench.inputs.HFSet(case, torch.Generator().manual_seed(0), device="cpu", dtype=torch.float32)
+    assert s.mask.tolist() == [[1] * 16, [1] * 8 + [0] * 8] and (s.labels[1, 8:] == -100).all()
+    for path in bench.HF_PATHS:
+        m = Measurement(path)
+        with bench.paths.scope(m, {}):
+            bench.paths.step(case, "fwd_bwd", path)(s)
+        if path == "native":
+            assert (m.served, m.fallback) == (0, {}), m  # nothing counted outside a provider scope
+        else:
+            assert m.served == 0 and m.fallback == {"no_cuda": bench.expected_calls(case, "fwd_bwd", 1)}, m
+    sdpa, cudnn = s.model("sdpa").state_dict(), s.model("cudnn").state_dict()
+    assert sdpa.keys() == cudnn.keys() and all(torch.equal(sdpa[k], cudnn[k]) for k in sdpa)
+    assert s.model("cudnn").config._attn_implementation == "cudnn"
 
 
 # ---------------------------------------------------------------------------- rows (pure data)
@@ -244,7 +352,7 @@ def test_collect_meta_on_cpu():
     assert meta["command"] == "cudnn-sdpa bench --quick"
     assert meta["settings"] == {"repeats": 5} and meta["torch"] == torch.__version__
     assert set(meta["cases"]) == {c.name for c in bench.MATRIX}
-    assert meta["cases"]["varlen_n16_h16_d128_causal"]["seq_lens"] == bench._varlen_lengths()
+    assert meta["cases"]["varlen_n16_h16_d128_causal"]["seq_lens"] == bench.cases.varlen_lengths()
     json.dumps(meta)
 
 
@@ -262,6 +370,41 @@ def test_plot_writes_a_file(tmp_path):
     out = tmp_path / "bench.png"
     bench.plot(rows, str(out))
     assert out.stat().st_size > 0
+
+
+# ------------------------------------------------------------------------ data only, no printing
+
+
+def test_no_bench_module_prints():
+    import pathlib
+
+    for path in pathlib.Path(bench.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        for needle in ("print(", "sys.stdout", "sys.stderr"):
+            assert needle not in text, (path.name, needle)
+
+
+@pytest.mark.xfail(strict=True, reason="pyproject.toml's [tool.setuptools] packages does not list "
+                   "cudnn_sdpa_provider.bench yet: `pip install .` would leave the bench out (remove this mark then)")
+def test_pyproject_installs_the_bench_package():
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert '"cudnn_sdpa_provider.bench"' in text
+
+
+def test_a_path_that_raises_is_recorded_and_logged_not_printed(caplog, capsys):
+    def boom():
+        raise RuntimeError("boom")
+
+    live = bench.measure._Live("native")
+    with caplog.at_level("ERROR", logger="cudnn_sdpa_provider.bench"):
+        bench.measure._guard(live, boom, {})  # raises before any CUDA call
+    assert (live.m.skip, live.m.error) == ("RuntimeError: boom", True)
+    (record,) = caplog.records
+    assert record.getMessage() == "bench: path native raised:" and record.exc_info[1].args == ("boom",)
+    assert capsys.readouterr().out == ""
+    assert bench.summarize(by_name("tiny_b1_h2_s128_d64_causal"), "fwd", live.m, 0.0, 1).status == "error"
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -391,14 +534,15 @@ def test_progress_writes_lines_when_not_a_tty():
     assert stream.getvalue().splitlines() == [cli._progress_line(1, 2, "one"), cli._progress_line(2, 2, "two")]
 
 
-def test_peer_paths_are_checked_before_anything_runs(monkeypatch):
-    for bad in ("provider_x", "native_cudnn", "flash"):
+def test_peer_paths_are_checked_before_anything_runs():
+    for bad in ("provider_x", "native_cudnn", "flash", "provider_hf"):
         with pytest.raises(ValueError, match="peer path name"):
             bench.run(["tiny_b1_h2_s128_d64_causal"], peers={bad: None})
-    monkeypatch.setattr(bench, "_PEERS", {"nvidia_x": None})
-    assert bench._paths(by_name("tiny_b1_h2_s128_d64_causal"))[-1] == "nvidia_x"
-    assert "nvidia_x" not in bench._paths(by_name("padded_b8_h32kv8_s4096_d128_causal"))  # masks go to C++ there
-    assert "nvidia_x" not in bench._paths(by_name("step_tinygqa_b2_s128"))
+    peers = {"nvidia_x": None}
+    assert bench.cases.case_paths(by_name("tiny_b1_h2_s128_d64_causal"), peers)[-1] == "nvidia_x"
+    assert "nvidia_x" not in bench.cases.case_paths(by_name("padded_b8_h32kv8_s4096_d128_causal"), peers)  # masks
+    assert "nvidia_x" not in bench.cases.case_paths(by_name("step_tinygqa_b2_s128"), peers)
+    assert "nvidia_x" not in bench.cases.case_paths(by_name(HF_TINY), peers)
 
 
 def test_peer_script_lists_cases_without_cuda():

@@ -1,4 +1,5 @@
-"""GPU tier: a smoke run of ``cudnn-sdpa bench`` at the tiny host-cost shape (no speed asserted)."""
+"""GPU tier: smoke runs of ``cudnn-sdpa bench`` at tiny sizes (no speed asserted): every row timed,
+every provider call served."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_quick_tiny_run_rows_served_and_timed():
 
 
 def test_padded_and_graphed_step_cases_run_served():
-    padded = bench.Case("padded_small", "padded", 2, 8, 2, 512, 64, True, seq_lens=bench._padded_lengths(2, 512))
+    padded = bench.Case("padded_small", "padded", 2, 8, 2, 512, 64, True, seq_lens=bench.cases.padded_lengths(2, 512))
     step = bench.select(["step_tinygqa_b2_s128"])[0]
     rows = bench.run([padded, step], repeats=3, warmup=1, host_calls=5)
     by = {(r.case, r.mode, r.path): r for r in rows}
@@ -51,3 +52,23 @@ def test_padded_and_graphed_step_cases_run_served():
     assert graphed.replays == graphed.calls - python_steps > 0, graphed
     for r in rows:
         assert r.status in ("ok", "skipped"), r
+
+
+def test_hf_llama_tiny_step_every_provider_call_served():
+    import transformers  # noqa: F401 - the GPU box has transformers 5.x: a missing one is a failure, not a skip
+
+    case = bench.select(["hf_llama_l2_d256_b2_s256_padded"])[0]
+    seen = []
+    rows = bench.run([case], repeats=3, warmup=1, host_calls=5, progress=lambda d, t, label: seen.append((d, t)))
+    by = {r.path: r for r in rows}
+    assert [r.path for r in rows] == list(bench.HF_PATHS) and {r.mode for r in rows} == {"fwd_bwd"}
+    assert seen[-1] == (3, 3)
+    for r in rows:
+        assert r.status == "ok", (r.reason, r)  # the reason first
+        assert r.median_ms > 0 and r.p20_ms <= r.median_ms <= r.p80_ms and r.tflops is None, r
+        assert r.peak_mib > 0 and r.vs_native > 0 and r.repeats == 3, r
+    for path in ("provider", "provider_hf"):  # sdpa inside enable(): the bias path; "cudnn": lengths
+        r = by[path]
+        assert r.fallbacks == 0 and r.fallback_reasons == {}, r
+        assert r.served == r.expected == r.calls * case.layers * 2 > 0, r  # each layer: a forward and a backward
+    assert by["native"].vs_native == 1.0 and by["native"].served is None
