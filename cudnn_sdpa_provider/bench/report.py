@@ -151,9 +151,9 @@ def collect_meta(argv: list[str] | None = None, **settings) -> dict:
     """Versions, GPU, date and command line for the JSON file."""
     import torch
 
-    from .. import __version__, support
+    from .. import __version__, machine, support
 
-    caps = support.capabilities()
+    caps = machine.capabilities()
     return {
         "package": __version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
