@@ -1,0 +1,194 @@
+"""CPU tier: the call pipeline. Every entry point decides through ``route.call`` (a spy sees each
+one), the aten and varlen overrides serve on the stand-in cuDNN (tests/fake_cudnn.py) with the
+right outputs, markers and counts, a backward follows its forward, the user's backend restriction
+is counted as ``backend_disabled``, and dropout that autograd may recompute is recognised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+
+import cudnn_sdpa_provider as csp
+from cudnn_sdpa_provider import counters, graphs, markers, overrides, reference, route, support
+from tests import fake_cudnn
+from tests.util import assert_rel_close
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    seen = []
+    real = route.call
+
+    def call(path, found, serve, native, describe, **kw):
+        seen.append((path, found.first.slug if found.first else None))
+        return real(path, found, serve, native, describe, **kw)
+
+    monkeypatch.setattr(route, "call", call)
+    return seen
+
+
+def _qkv(shape=(1, 2, 8, 8), seed=0, requires_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).requires_grad_(requires_grad) for _ in range(3)]
+
+
+# ------------------------------------------------------------------------- every entry point
+
+
+def test_functional_entry_point_decides_through_route(spy):
+    q, k, v = _qkv()
+    csp.attention(q, k, v).sum().backward()
+    assert spy == [("dense_fwd", "no_cuda"), ("dense_bwd", "no_cuda")]
+    spy.clear()
+    t = torch.randn(6, 2, 8, requires_grad=True)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    csp.attention(t, t, t, cu_seqlens_q=cu, max_seqlen_q=4, max_seqlen_kv=4).sum().backward()
+    assert spy == [("varlen_fwd", "no_cuda"), ("varlen_bwd", "no_cuda")]
+
+
+@pytest.mark.parametrize("backend", [None, SDPBackend.MATH])
+def test_sdpa_entry_point_decides_through_route(spy, backend):
+    q, k, v = _qkv()
+    with csp.enable():
+        if backend is None:
+            F.scaled_dot_product_attention(q, k, v).sum().backward()
+        else:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert spy == [("dense_fwd", "no_cuda"), ("dense_bwd", "no_cuda")]
+
+
+def test_integration_entry_point_decides_through_route(spy):
+    pytest.importorskip("transformers")
+    from cudnn_sdpa_provider.integrations import transformers as hf
+
+    q, k, v = _qkv((1, 2, 4, 8))
+    module = torch.nn.Module()
+    module.is_causal = True
+    hf.attention_forward(module, q, k, v, None)  # served path: csp.attention -> ops -> route
+    module.num_key_value_groups = 1
+    hf._fallback(module, q, k, v, None, 0.0, None, True, {}, ("attn_bias", "a position_bias"))
+    assert spy[0] == ("dense_fwd", "no_cuda") and spy[-1] == ("dense_fwd", "attn_bias")
+
+
+# ----------------------------------------------------------------- served overrides (fake cuDNN)
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """CPU float32 tensors decided as if they were bf16 on a CUDA machine (the no_cuda and dtype rules
+    left out), run on the stand-in cuDNN (which computes in fp64)."""
+    fake_cudnn.install(monkeypatch)
+    monkeypatch.setattr(support, "RULES", tuple(r for r in support.RULES if r.slug not in ("no_cuda", "dtype")))
+    route.clear()
+    yield
+    route.clear()
+    graphs.clear_cache()
+
+
+class _Original:
+    def __init__(self):
+        self.calls = 0
+
+    def call_boxed(self, *args, **kwargs):
+        self.calls += 1
+        raise AssertionError("a served call must not reach PyTorch's kernel")
+
+
+def test_dense_override_serves_marks_and_backward_follows(cuda_like):
+    q, k, v = _qkv((2, 2, 8, 8), requires_grad=False)
+    kernels = overrides._Dense(_Original(), _Original())
+    before = counters.stats()
+    result = kernels.forward(None, q, k, v, None, True, 0.0, True, False, scale=None)
+    out, lse = result[0], result[1]
+    want, want_lse = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, window=(-1, 0),
+                                     compute_dtype=torch.float64)
+    assert_rel_close(out, want, 1e-6, "out")
+    assert markers.lookup(lse) == markers.Record(served=True, strict=False)
+    assert result[6].dtype == torch.int64 and result[6].data_ptr() % 16 == 0, "philox stand-ins are aligned"
+    go = torch.randn_like(out)
+    dq, dk, dv = kernels.backward(None, go, q, k, v, out, lse, result[6], result[7], None, None, None, 8, 8, 0.0, True,
+                                  scale=None)
+    rq, _, _, _ = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=8 ** -0.5,
+                                           window=(-1, 0), compute_dtype=torch.float64)
+    assert_rel_close(dq, rq, 1e-6, "dq")
+    region = counters.stats() - before
+    assert region.served["dense_fwd"] == 1 and region.served["dense_bwd"] == 1
+
+
+def test_inference_mode_first_then_training(cuda_like):
+    """Issue #14 item 4: nothing made under inference_mode is reused by a training call."""
+    q, k, v = _qkv((1, 2, 8, 8), requires_grad=False)
+    kernels = overrides._Dense(_Original(), _Original())
+    with torch.inference_mode():
+        first = kernels.forward(None, q, k, v, None, False, 0.0, False, False, scale=None)
+    assert not first[6].is_inference(), "the philox stand-in is a normal tensor"
+    second = kernels.forward(None, q, k, v, None, True, 0.0, False, False, scale=None)
+    assert second[6].untyped_storage().data_ptr() == first[6].untyped_storage().data_ptr()
+    assert not second[0].is_inference() and not second[1].is_inference()
+
+
+def test_varlen_override_serves_and_follows_native_layout(cuda_like):
+    t, h, d = 12, 2, 8
+    storage = torch.randn(3, h, t, d)
+    q, k, v = (x.transpose(0, 1) for x in storage.unbind(0))  # (H, T, D) storage seen as (T, H, D)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    ops = overrides._varlen_ops()
+    kernels = overrides._Varlen(ops["_varlen_attn"], _Original(), ops["_varlen_attn_backward"], _Original())
+    out, lse, rng = kernels.forward(None, q, k, v, cu, cu, 7, 7, True)
+    want, want_lse = reference.varlen(q.double(), k.double(), v.double(), cu, cu, 7, 7, scale=d ** -0.5,
+                                      window=(-1, 0), bottom_right=True, compute_dtype=torch.float64)
+    assert_rel_close(out, want, 1e-6, "out")
+    assert out.stride() == torch.empty_like(q).stride() == (d, t * d, 1), "native's layout"
+    assert lse.shape == (h, t) and lse.is_contiguous(), "torch_attn's (H, T) LSE"
+    assert markers.lookup(rng).served
+
+
+def test_unknown_varlen_arguments_fall_back_with_their_name(cuda_like, monkeypatch):
+    """An argument a newer torch adds is never ignored: a non-default value falls back."""
+    ops = overrides._varlen_ops()
+    schema_op = ops["_varlen_attn"]
+    a = {arg.name: None for arg in schema_op._schema.arguments}
+    a["backend"] = 2  # as torch 2.15's trailing int
+    assert overrides._unknown_arguments(schema_op, a) == ()  # not in this torch's schema: nothing to judge
+    for arg in schema_op._schema.arguments:
+        assert arg.name in overrides.VARLEN_ARGUMENTS, f"{arg.name} of this torch's schema has no rule"
+
+
+# --------------------------------------------------------------- decisions from the context
+
+
+def test_user_backend_restriction_counts_backend_disabled():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=gen) for _ in range(3))
+    found = route.elsewhere(("test", 0), lambda: route.dense_problem(q.to("meta"), k.to("meta"), v.to("meta")), None)
+    assert found.first.slug == "no_cuda"
+    cuda_problem = support.Problem(kind="dense", backward=False, device_type="cuda", dtypes=(torch.bfloat16,) * 3,
+                                   batch=1, h_q=2, h_k=2, h_v=2, s_q=8, s_kv=8, d_qk=64, d_v=64)
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for enabled, slug in ((False, "backend_disabled"), (True, "torch_selection")):
+            torch.backends.cuda.enable_cudnn_sdp(enabled)
+            assert route._selection_reason(cuda_problem).slug == slug
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(saved)
+
+
+def test_dropout_recompute_is_recognised_under_checkpointing():
+    seen = []
+
+    def block(x):
+        seen.append(route.recompute(0.1))
+        return (x * 2).sin()
+
+    for reentrant in (True, False):
+        seen.clear()
+        x = torch.randn(3, requires_grad=True)
+        checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+        assert seen == [True, True], (reentrant, seen)  # the forward and its recomputation
+    x = torch.randn(3, requires_grad=True)
+    assert block(x) is not None and seen[-1] is False, "a plain training forward is not a recomputation"
+    assert route.recompute(0.0) is False
