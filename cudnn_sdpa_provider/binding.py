@@ -44,6 +44,7 @@ class Binding:
     outputs: tuple  # ((size, stride), ...) in the caller's layout
     direct: tuple  # per output: cuDNN writes it in place (else into a scratch buffer, then copied)
     extra: dict  # per-path facts decided once (e.g. whether rows can be dead)
+    fix: bool = True  # any(repair): whether a call has anything to repair
 
 
 def lookup(signature: tuple) -> Binding | None:

@@ -102,28 +102,42 @@ def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv
     torch.where(dead | bad, value, out, out=out)
 
 
+def _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p) -> tuple:
+    if bias is None and seq_len_q is None and sinks is None and dropout_p == 0.0:
+        return ()
+    return tuple(t for _, t in _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p))
+
+
 def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None, bias=None, seq_len_q=None,
-            seq_len_kv=None, philox=None, dropout_p=0.0, compute_lse=True, rng_dump=None):
+            seq_len_kv=None, philox=None, dropout_p=0.0, compute_lse=True, rng_dump=None, signature=None):
     """cuDNN forward: (out, lse). ``philox`` is the (seed, offset) pair of int64 device tensors for
     dropout (its backward reuses it); ``rng_dump`` (tests only) a (B, H_q, S_q, S_kv) fp32 buffer that
-    receives the realised keep mask."""
-    bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
-    signature = ("dense_fwd", q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(sinks),
-                 tensor_key(bias), tensor_key(seq_len_q), tensor_key(seq_len_kv), scale, window, bottom_right,
-                 dropout_p, compute_lse, rng_dump is not None)
-    bias = bias_operand(bias, q, k) if bias is not None else None
+    receives the realised keep mask. ``signature``: a caller's own signature of this call, covering
+    everything the one built here would (then ``bottom_right`` must already be ``alignment``'s)."""
+    if signature is None:
+        bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
+        signature = ("dense_fwd", q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(sinks),
+                     tensor_key(bias), tensor_key(seq_len_q), tensor_key(seq_len_kv), scale, window, bottom_right,
+                     dropout_p, compute_lse, rng_dump is not None)
+    if bias is not None:
+        bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
         found = bd.store(signature, _bind_forward(q, k, v, bias, sinks, seq_len_q, scale, window, bottom_right,
                                                   dropout_p, compute_lse, rng_dump))
-    qr, kr, vr = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
-    (out, lse), (out_buf, lse_buf) = bd.outputs(found, (q.dtype, torch.float32), q.device)
-    pairs = [(UID.Q, qr), (UID.K, kr), (UID.V, vr), (UID.O, out_buf)] + ([(UID.LSE, lse_buf)] if compute_lse else [])
-    pairs += _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p)
+    if found.fix:
+        q, k, v = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
+    (size, stride), (lse_size, _) = found.outputs
+    out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
+    out_buf = out if found.direct[0] else torch.empty(size, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_size, dtype=torch.float32, device=q.device)
+    buffers = (q, k, v, out_buf, lse) if compute_lse else (q, k, v, out_buf)
+    buffers += _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p)
     if rng_dump is not None:
-        pairs.append((UID.RNG_DUMP, rng_dump))
-    bd.run(found, tuple(t for _, t in pairs), q.device.index)
-    bd.copy_back([out], [out_buf])
+        buffers += (rng_dump,)
+    bd.run(found, buffers, q.device.index)
+    if out_buf is not out:
+        out.copy_(out_buf)
     _fix_rows(out, found, window, bottom_right, seq_len_q, seq_len_kv, k.shape[2])
     return out, lse
 
@@ -147,38 +161,41 @@ def _bind_forward(q, k, v, bias, sinks, seq_len_q, scale, window, bottom_right, 
     dead = seq_len_q is not None or rows.dead_rows(s_q, k.shape[2], window, bottom_right) is not None
     return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
                    outputs=((tuple(out.shape), out.stride()), ((b, h, s_q, 1), lse.stride())),
-                   direct=(out_direct, True), extra={"dead": dead})
+                   direct=(out_direct, True), extra={"dead": dead}, fix=any(repair))
 
 
 def _plan(key):
-    from . import graphs
-
-    return graphs.plan(key)
+    return bd.graphs.plan(key)
 
 
 def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None,
-             bias=None, seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, deterministic=False):
-    """cuDNN backward: (dq, dk, dv, dsinks or None)."""
-    bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
-    signature = ("dense_bwd", q.device.index, tensor_key(grad_out), tensor_key(q), tensor_key(k), tensor_key(v),
-                 tensor_key(out), tensor_key(lse), tensor_key(sinks), tensor_key(bias), tensor_key(seq_len_q),
-                 tensor_key(seq_len_kv), scale, window, bottom_right, dropout_p, deterministic)
-    bias = bias_operand(bias, q, k) if bias is not None else None
+             bias=None, seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, deterministic=False,
+             signature=None):
+    """cuDNN backward: (dq, dk, dv, dsinks or None). ``signature`` as for ``forward``."""
+    if signature is None:
+        bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
+        signature = ("dense_bwd", q.device.index, tensor_key(grad_out), tensor_key(q), tensor_key(k),
+                     tensor_key(v), tensor_key(out), tensor_key(lse), tensor_key(sinks), tensor_key(bias),
+                     tensor_key(seq_len_q), tensor_key(seq_len_kv), scale, window, bottom_right, dropout_p,
+                     deterministic)
+    if bias is not None:
+        bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
         found = bd.store(signature, _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, scale,
                                                    window, bottom_right, dropout_p, deterministic))
-    fix_q, fix_k, fix_v, fix_o, fix_do, fix_lse = found.repair
-    qr, kr, vr, outr = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v, out), (fix_q, fix_k, fix_v, fix_o)))
-    do = torch.empty_like(outr).copy_(grad_out) if fix_do else grad_out  # dO matched to the (repaired) O
-    lse_in = lse.contiguous() if fix_lse else lse  # cuDNN < 9.26 misreads non-packed stats
+    qr, kr, vr, outr, do, lse_in = q, k, v, out, grad_out, lse
+    if found.fix:
+        fix_q, fix_k, fix_v, fix_o, fix_do, fix_lse = found.repair
+        qr, kr, vr, outr = (layout.repaired(t) if f else t for t, f in zip((q, k, v, out), (fix_q, fix_k, fix_v, fix_o)))
+        do = torch.empty_like(outr).copy_(grad_out) if fix_do else grad_out  # dO matched to the (repaired) O
+        lse_in = lse.contiguous() if fix_lse else lse  # cuDNN < 9.26 misreads non-packed stats
     (dq, dk, dv), bufs = bd.outputs(found, (q.dtype, k.dtype, v.dtype), q.device)
-    pairs = [(UID.Q, qr), (UID.K, kr), (UID.V, vr), (UID.O, outr), (UID.DO, do), (UID.LSE, lse_in),
-             (UID.DQ, bufs[0]), (UID.DK, bufs[1]), (UID.DV, bufs[2])]
-    pairs += _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p)
+    buffers = (qr, kr, vr, outr, do, lse_in, bufs[0], bufs[1], bufs[2])
+    buffers += _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p)
     if sinks is not None:  # cuDNN writes dSink_token; the gradient itself is computed below
-        pairs.append((UID.DSINK, torch.empty((1, q.shape[1], 1, 1), dtype=torch.float32, device=q.device)))
-    bd.run(found, tuple(t for _, t in pairs), q.device.index)
+        buffers += (torch.empty((1, q.shape[1], 1, 1), dtype=torch.float32, device=q.device),)
+    bd.run(found, buffers, q.device.index)
     bd.copy_back([dq, dk, dv], bufs)
     _zero_dead_grads(dq, dk, dv, found, window, bottom_right, seq_len_q, seq_len_kv)
     dsinks = rows.sink_grad_dense(sinks, lse_in, outr, do) if sinks is not None else None
@@ -205,8 +222,10 @@ def _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, scale, w
     uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, (lse, lse), dropout_p))
     uids += (UID.DSINK,) if sinks is not None else ()
     dead = rows.dead_rows(q.shape[2], k.shape[2], window, bottom_right) is not None
-    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair + (fix_do, fix_lse),
-                   outputs=tuple((tuple(g.shape), g.stride()) for g in grads), direct=direct, extra={"dead": dead})
+    repair += (fix_do, fix_lse)
+    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
+                   outputs=tuple((tuple(g.shape), g.stride()) for g in grads), direct=direct, extra={"dead": dead},
+                   fix=any(repair))
 
 
 def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, seq_len_kv) -> None:

@@ -41,18 +41,21 @@ def _scale(scale, q) -> float:
     return float(scale) if scale is not None else q.shape[-1] ** -0.5
 
 
+#: is_causal -> the FlashAttention window, as ``support.canonical_window`` folds it (computed once).
+_WINDOWS = {flag: support.canonical_window(flag, None) for flag in (False, True)}
 _UNUSED_PHILOX: dict = {}
 
 
-def _unused_philox(device: torch.device) -> torch.Tensor:
-    """One int64 buffer per device whose elements 0 and 2 (16-byte aligned, as inductor asserts
-    of outputs) stand in for the philox seed/offset outputs when there is no dropout: the op must
-    return them, nothing reads them. Made outside inference mode, so a first call under
-    ``torch.inference_mode()`` does not leave an inference tensor that training could not save."""
+def _unused_philox(device: torch.device) -> tuple:
+    """Elements 0 and 2 (16-byte aligned, as inductor asserts of outputs) of one int64 buffer per
+    device: the philox seed/offset outputs when there is no dropout. The op must return them and
+    nothing reads them; the two views are made once. Made outside inference mode, so a first call
+    under ``torch.inference_mode()`` leaves no inference tensor that training could not save."""
     found = _UNUSED_PHILOX.get(device)
     if found is None:
         with torch.inference_mode(False):
-            found = _UNUSED_PHILOX.setdefault(device, torch.zeros(4, dtype=torch.int64, device=device))
+            buf = torch.zeros(4, dtype=torch.int64, device=device)
+            found = _UNUSED_PHILOX.setdefault(device, (buf[0], buf[2]))
     return found
 
 
@@ -73,14 +76,16 @@ class _Dense:
 
     def forward(self, keyset, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                 return_debug_mask=False, *, scale=None):
-        window = support.canonical_window(bool(is_causal), None)
+        window = _WINDOWS[bool(is_causal)]
         recompute = route.recompute(dropout_p)
         bias_grad = attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()
+        # One signature for the route's decision and the engine's binding (it covers both).
         signature = ("sdpa_fwd", query.device.index, tensor_key(query), tensor_key(key), tensor_key(value),
-                     tensor_key(attn_bias), bias_grad, dropout_p, window, bool(return_debug_mask), recompute)
+                     tensor_key(attn_bias), bias_grad, dropout_p, window, bool(return_debug_mask), recompute, scale,
+                     compute_log_sumexp)
         found = route.entry(signature, lambda: route.dense_problem(
             query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p, recompute=recompute,
-            **({"unsupported": ("return_debug_mask",)} if return_debug_mask else {})), query.device.index)
+            unsupported=("return_debug_mask",) if return_debug_mask else ()), query.device.index)
         strict = scope.strict()
 
         def serve():
@@ -89,11 +94,12 @@ class _Dense:
             philox = rows.new_philox(query.device, 4) if dropout_p > 0.0 else None  # elements 0, 2: aligned
             out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
                                      dropout_p=float(dropout_p), compute_lse=compute_log_sumexp,
-                                     philox=(philox[0], philox[2]) if philox is not None else None)
+                                     philox=(philox[0], philox[2]) if philox is not None else None,
+                                     signature=signature)
             if compute_log_sumexp:  # a backward can follow: the LSE it will receive is the marker
                 markers.mark(lse, markers.Record(served=True, strict=strict))
-            philox = _unused_philox(query.device) if philox is None else philox
-            return out, lse, None, None, query.shape[2], key.shape[2], philox[0], philox[2], None
+            seed, offset = _unused_philox(query.device) if philox is None else (philox[0], philox[2])
+            return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, None
 
         def native(reason):
             result = self.fwd_original.call_boxed(keyset, query, key, value, attn_bias, compute_log_sumexp, dropout_p,
@@ -119,12 +125,13 @@ class _Dense:
         describe = lambda: describe_call(query=query, key=key, value=value, grad_out=grad_out,  # noqa: E731
                                          attn_bias=attn_bias, is_causal=is_causal, scale=scale)
         if not record.served:
-            found = route.fixed(record.reason, "its forward fell back")
-            return route.call("dense_bwd", found, None, native, describe, strict=False)
-        window = support.canonical_window(bool(is_causal), None)
+            return route.call("dense_bwd", route.fixed(record.reason, "its forward fell back"), None, native, describe,
+                              strict=False)
+        window = _WINDOWS[bool(is_causal)]
         deterministic = torch.are_deterministic_algorithms_enabled()
-        signature = ("sdpa_bwd", query.device.index, tensor_key(query), tensor_key(key), tensor_key(value),
-                     tensor_key(attn_bias), dropout_p, window, deterministic)
+        signature = ("sdpa_bwd", query.device.index, tensor_key(grad_out), tensor_key(query), tensor_key(key),
+                     tensor_key(value), tensor_key(out), tensor_key(logsumexp), tensor_key(attn_bias), dropout_p,
+                     window, deterministic, scale)
         found = route.entry(signature, lambda: route.dense_problem(
             query, key, value, backward=True, window=window, bias=attn_bias, dropout_p=dropout_p,
             deterministic=deterministic), query.device.index)
@@ -132,7 +139,8 @@ class _Dense:
         def serve():
             dq, dk, dv, _ = dense.backward(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
                                            window=window, bias=attn_bias, dropout_p=dropout_p,
-                                           philox=(philox_seed, philox_offset), deterministic=deterministic)
+                                           philox=(philox_seed, philox_offset), deterministic=deterministic,
+                                           signature=signature)
             return dq, dk, dv
 
         # Our forward's out and lse have native cuDNN's meaning (natural-log stats, same layout), so

@@ -140,13 +140,12 @@ def _bind_forward(q, k, v, batch, sq, skv, sinks, scale, window, bottom_right) -
             UID.RAG_LSE) + ((UID.SINK,) if sinks is not None else ())
     lse_size = (q.shape[0], q.shape[1])
     return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
-                   outputs=((shape_o, out.stride()), (lse_size, (q.shape[1], 1))), direct=(direct, True), extra={})
+                   outputs=((shape_o, out.stride()), (lse_size, (q.shape[1], 1))), direct=(direct, True), extra={},
+                   fix=any(repair))
 
 
 def _plan(key):
-    from . import graphs
-
-    return graphs.plan(key)
+    return bd.graphs.plan(key)
 
 
 def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_kv: int, *,
@@ -203,4 +202,5 @@ def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, sinks, scale, window,
             UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_LSE, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
     uids += (UID.SINK, UID.DSINK) if sinks is not None else ()
     return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
-                   outputs=tuple((tuple(g.shape), g.stride()) for g in grads), direct=direct, extra={})
+                   outputs=tuple((tuple(g.shape), g.stride()) for g in grads), direct=direct, extra={},
+                   fix=any(repair))

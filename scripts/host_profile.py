@@ -4,10 +4,12 @@
 
 Layer by layer, microseconds of wall time per call over ``--calls`` back-to-back calls (one sync
 at the end; the median of 5 such runs): PyTorch's native cuDNN path, the provider through F.sdpa,
-``csp.attention`` (eager, and through its custom ops as compiled code gets it), ``engine.dense_fwd`` (the fast path), ``graphs.execute`` (handle stream +
-workspace + the frontend's execute) and the frontend's ``graph.execute`` alone (with a mapping,
-and with ordered buffers where the frontend has ``tensor_uids``). Then cProfile's top entries for
-the provider's forward+backward. Notes: docs/performance-notes.md.
+``csp.attention`` (eager, and through its custom ops as compiled code gets it), the route's decision
+for a seen signature (``route.entry`` + ``route.call`` around nothing), ``dense.forward`` through its
+binding, ``graphs.execute`` (handle stream + workspace + the frontend's execute) and the frontend's
+``graph.execute`` alone (with a mapping, and with ordered buffers where the frontend has
+``tensor_uids``), and the two output allocations. Then cProfile's top entries for the provider's
+forward+backward. The breakdown is in docs/performance-notes.md.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import engine, graphs, ops  # noqa: E402
-from cudnn_sdpa_provider.graphs import UID  # noqa: E402
+from cudnn_sdpa_provider import dense, graphs, ops, route  # noqa: E402
 
 
 def per_call_us(fn, calls: int, runs: int = 5) -> float:
@@ -72,7 +73,12 @@ def main() -> None:
         torch.autograd.grad(out, (qg, kg, vg), go)
 
     def engine_fwd():
-        return engine.dense_fwd(q, k, v, scale=scale, window=(-1, 0))
+        return dense.forward(q, k, v, scale=scale, window=(-1, 0))
+
+    found = route.entry(("host_profile",), lambda: route.dense_problem(q, k, v, window=(-1, 0)), 0)
+
+    def decision():
+        return route.call("dense_fwd", route.entry(("host_profile",), None, 0), lambda: None, None, lambda: "")
 
     rows = []
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -89,22 +95,25 @@ def main() -> None:
         rows.append(("csp.attention forward+backward, custom op", per_call_us(attention_bwd, args.calls)))
     finally:
         ops.eager = eager
-    rows.append(("engine.dense_fwd (fast path)", per_call_us(engine_fwd, args.calls)))
+    assert found.first is None, found.first
+    rows.append(("route decision of a seen signature (no work)", per_call_us(decision, args.calls)))
+    rows.append(("dense.forward through its binding", per_call_us(engine_fwd, args.calls)))
 
     engine_fwd()
-    entry = next(e for key, e in graphs._state()["fast"].items() if key[0] == "dense_fwd")
-    out = torch.empty_strided(entry.sizes[0], entry.strides[0], dtype=q.dtype, device="cuda")
-    lse = torch.empty(entry.lse_size, dtype=torch.float32, device="cuda")
-    buffers = {UID.Q: q, UID.K: k, UID.V: v, UID.O: out, UID.LSE: lse}
+    binding = next(b for key, b in graphs._state()["fast"].items() if key[0] == "dense_fwd")
+    (size, stride), (lse_size, _) = binding.outputs
+    out = torch.empty_strided(size, stride, dtype=q.dtype, device="cuda")
+    lse = torch.empty(lse_size, dtype=torch.float32, device="cuda")
+    uids, ordered = binding.uids, (q, k, v, out, lse)
     stream = torch.cuda.current_stream().cuda_stream
     rows.append(("graphs.execute (stream, workspace, execute)",
-                 per_call_us(lambda: graphs.execute(entry.plan, buffers, 0, stream), args.calls)))
+                 per_call_us(lambda: graphs.execute(binding.plan, uids, ordered, 0, stream), args.calls)))
     handle = graphs._handle(0)
-    ws = torch.empty(max(entry.plan.workspace, 1), dtype=torch.uint8, device="cuda")
-    graph = entry.plan.graph
-    rows.append(("frontend graph.execute(dict) alone", per_call_us(lambda: graph.execute(buffers, ws, handle=handle),
+    ws = torch.empty(max(binding.plan.workspace, 1), dtype=torch.uint8, device="cuda")
+    graph = binding.plan.graph
+    mapping = dict(zip(uids, ordered))
+    rows.append(("frontend graph.execute(dict) alone", per_call_us(lambda: graph.execute(mapping, ws, handle=handle),
                                                                      args.calls)))
-    uids, ordered = tuple(int(u) for u in buffers), tuple(buffers.values())
     try:
         graph.execute(ordered, ws, handle=handle, tensor_uids=uids)
         torch.cuda.synchronize()
@@ -113,8 +122,8 @@ def main() -> None:
     except TypeError as exc:
         rows.append((f"frontend graph.execute(ordered): not in this frontend ({exc})", float("nan")))
     rows.append(("torch.empty x2 (out, lse)", per_call_us(
-        lambda: (torch.empty_strided(entry.sizes[0], entry.strides[0], dtype=q.dtype, device="cuda"),
-                 torch.empty(entry.lse_size, dtype=torch.float32, device="cuda")), args.calls)))
+        lambda: (torch.empty_strided(size, stride, dtype=q.dtype, device="cuda"),
+                 torch.empty(lse_size, dtype=torch.float32, device="cuda")), args.calls)))
 
     width = max(len(name) for name, _ in rows)
     print(f"host us per call, (1, 2, 128, 64) bf16 causal, {args.calls} calls x 5 runs, median; "

@@ -177,3 +177,14 @@ def test_reset_keeps_plans():
     counters.note_plan("test_reset_keeps_plans config", "eng0")
     csp.reset_stats()
     assert csp.stats().plans["test_reset_keeps_plans config"] == "eng0"
+
+
+def test_unknown_path_and_wrong_report_argument_name_the_valid_choices():
+    import cudnn_sdpa_provider as csp
+
+    with pytest.raises(ValueError, match=r"unknown path 'dense'; valid paths: \['dense_fwd', 'dense_bwd', "):
+        csp.stats().total("dense")
+    with pytest.raises(ValueError, match="unknown path"):
+        csp.stats().fallbacks("x")
+    with pytest.raises(TypeError, match=r"report\(\) takes a Stats snapshot \(csp.stats\(\)\) or nothing, got str"):
+        csp.report("x")

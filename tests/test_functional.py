@@ -251,6 +251,27 @@ BAD = {
     "dropout_p_negative": (_case(dropout_p=-0.1), ValueError, r"dropout_p must be a float in \[0, 1\)"),
     "dropout_p_packed": (_case((P3, P3, P3), dropout_p=0.1, **PACKED), ValueError,
                          r"dropout_p is not supported with packed \(cu_seqlens\) inputs"),
+    "return_lse_not_bool": (_case(return_lse="x"), TypeError, r"return_lse must be a bool, got str"),
+    "validate_not_bool": (_case(validate="yes"), TypeError, r"validate must be None \(check values where it is free"),
+    # values inside tensors: checked on CPU tensors (free), and on the GPU with validate=True
+    "cu_past_the_tokens": (_case((P3, P3, P3), cu_seqlens_q=torch.tensor([0, 2, 7], dtype=torch.int32),
+                                 max_seqlen_q=5, max_seqlen_kv=5), ValueError,
+                           r"cu_seqlens_q\[-1\] = 7 runs past the 6 packed tokens"),
+    "cu_decreasing": (_case((P3, P3, P3), cu_seqlens_q=torch.tensor([0, 4, 2], dtype=torch.int32),
+                            max_seqlen_q=4, max_seqlen_kv=4), ValueError,
+                      r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] = 2 < cu_seqlens_q\[1\] = 4"),
+    "cu_nonzero_start": (_case((P3, P3, P3), cu_seqlens_q=torch.tensor([1, 2, 6], dtype=torch.int32),
+                               max_seqlen_q=4, max_seqlen_kv=4), ValueError, r"cu_seqlens_q\[0\] must be 0"),
+    "max_seqlen_too_small": (_case((P3, P3, P3), cu_seqlens_q=CU, max_seqlen_q=3, max_seqlen_kv=4), ValueError,
+                             r"sequence 1 has 4 tokens .* but max_seqlen_q = 3"),
+    "max_seqlen_kv_too_small": (_case((P3, P3, P3), cu_seqlens_q=CU, max_seqlen_q=4, max_seqlen_kv=3), ValueError,
+                                r"but max_seqlen_kv = 3"),
+    "cu_kv_past_the_tokens": (_case((P3, P3, P3), cu_seqlens_kv=torch.tensor([0, 4, 9], dtype=torch.int32),
+                                    cu_seqlens_q=CU, max_seqlen_q=4, max_seqlen_kv=5), ValueError, r"cu_seqlens_kv\[-1\] = 9 runs past the 6 packed tokens"),
+    "seq_lens_negative": (_case(seq_lens_q=torch.tensor([3, -1]), seq_lens_kv=torch.tensor([3, 3])), ValueError,
+                          r"seq_lens_q\[1\] = -1 is outside \[0, S_q = 6\]"),
+    "seq_lens_longer_than_s": (_case(seq_lens_q=torch.tensor([3, 3]), seq_lens_kv=torch.tensor([3, 9])), ValueError,
+                               r"seq_lens_kv\[1\] = 9 is outside \[0, S_kv = 6\]"),
 }
 
 
@@ -327,6 +348,49 @@ def test_explain_validates_the_window():
 def test_explain_rejects_wrong_rank_naming_the_argument():
     with pytest.raises(ValueError, match="q must be 4-D"):
         csp.explain(P3, P3, P3)
+
+
+def test_explain_answers_for_a_described_gpu():
+    """On a CPU machine: what would an H200 with cuDNN 9.12 / 9.19 / 9.26 do (meta tensors work)?"""
+    q = torch.empty(2, 8, 512, 128, dtype=torch.bfloat16, device="meta")
+    sinks = torch.zeros(8, device="meta")
+    slugs = lambda result: {p: [r.slug for r in found] for p, found in result.items()}  # noqa: E731
+    h200 = {"compute_capability": (9, 0), "cudnn_version": "9.19.0"}
+    assert slugs(csp.explain(q, q, q, is_causal=True, device=h200, through_sdpa=False)) == {
+        "dense_fwd": [], "dense_bwd": []}
+    old = dict(h200, cudnn_version=91200)
+    assert slugs(csp.explain(q, q, q, sinks=sinks, device=old, through_sdpa=False))["dense_fwd"] == ["cudnn_feature"]
+    packed = torch.empty(100, 8, 128, dtype=torch.bfloat16, device="meta")
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32, device="meta")
+    result = csp.explain(packed, packed, packed, sinks=sinks, cu_seqlens_q=cu, max_seqlen_q=60, max_seqlen_kv=60,
+                         device=h200, through_sdpa=False)
+    assert slugs(result) == {"varlen_fwd": [], "varlen_bwd": ["sink_backward_ragged"]}
+    assert slugs(csp.explain(packed, packed, packed, sinks=sinks, cu_seqlens_q=cu, max_seqlen_q=60,
+                             max_seqlen_kv=60, device=dict(h200, cudnn_version="9.26.0"),
+                             through_sdpa=False))["varlen_bwd"] == []
+    assert slugs(csp.explain(q, q, q, device={"compute_capability": (7, 5)}, through_sdpa=False))["dense_fwd"] == [
+        "compute_capability"]
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(dropout_p=2.0), ValueError, r"dropout_p must be a float in \[0, 1\), got 2.0"),
+    (dict(scale=float("nan")), ValueError, r"scale must be a finite float or None"),
+    (dict(device="H200"), TypeError, r"device must be a support.Capabilities or a dict"),
+    (dict(device={"compute_capability": 9}), ValueError, r"device\['compute_capability'\] must be a pair"),
+    (dict(device={"compute_capability": (9, 0), "cudnn": 1}), ValueError, r"device has unknown keys \['cudnn'\]"),
+    (dict(device={"compute_capability": (9, 0), "cudnn_version": "9.x"}), ValueError, r"cudnn_version"),
+    (dict(bottom_right="no"), TypeError, r"bottom_right must be a bool"),
+])
+def test_explain_bad_arguments_name_the_argument(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        csp.explain(Q4, KV4, KV4, **kw)
+
+
+def test_explain_takes_attentions_keywords():
+    q, k, v = dense(requires_grad=False)
+    lens = torch.tensor([3, 4])
+    result = csp.explain(q, k, v, scale=0.5, seq_lens_q=lens, seq_lens_kv=lens, through_sdpa=False)
+    assert [r.slug for r in result["dense_fwd"]] == ["no_cuda"]
 
 
 def test_explain_runs_nothing():

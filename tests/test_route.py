@@ -127,7 +127,7 @@ def test_inference_mode_first_then_training(cuda_like):
         first = kernels.forward(None, q, k, v, None, False, 0.0, False, False, scale=None)
     assert not first[6].is_inference(), "the philox stand-in is a normal tensor"
     second = kernels.forward(None, q, k, v, None, True, 0.0, False, False, scale=None)
-    assert second[6].untyped_storage().data_ptr() == first[6].untyped_storage().data_ptr()
+    assert second[6] is first[6], "the stand-in is made once"
     assert not second[0].is_inference() and not second[1].is_inference()
 
 
