@@ -72,8 +72,6 @@ _CONSTANTS = {
     "SINK_MIN": "attention sinks: forward, and the dense backward",
     "SINK_RAGGED_BWD_MIN": "attention sinks: backward on packed (varlen) inputs",
     "DETERMINISTIC_SMALL_WS_MIN": "from here the sm_90 deterministic backward needs no O(B*H*S_q*S_kv) workspace",
-    "ZERO_LENGTH_OK": "from here cuDNN itself gives 0 (not NaN) for queries with no keys; before it the "
-                      "provider zeroes those rows",
     "DROPOUT_BROKEN": "dropout is broken from the first version up to, not including, the second; dropout "
                       "calls there fall back with `cudnn_bug`",
     "MAX_HEAD_DIM": "largest head dimension (multiples of 8)",

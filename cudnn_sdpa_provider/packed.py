@@ -79,7 +79,8 @@ def _check_cu(cu: torch.Tensor, name: str) -> None:
 
 class _Lengths:
     """The per-call length terms: safe cu_seqlens (all 0 when any length is out of range), the
-    lengths cuDNN reads, ragged offsets by token stride, and the 0-dim ``bad`` flag."""
+    lengths cuDNN reads, ragged offsets by token stride, the 0-dim ``bad`` flag and the value the
+    outputs start at (NaN when bad, else 0)."""
 
     def __init__(self, cu_q, cu_kv, t_q: int, t_kv: int, max_q: int, max_kv: int):
         same = cu_q is cu_kv
@@ -88,8 +89,11 @@ class _Lengths:
         self.cu_q = torch.where(self.bad, 0, cu_q)
         self.cu_kv = self.cu_q if same else torch.where(self.bad, 0, cu_kv)
         self.fill = torch.where(self.bad, float("nan"), 0.0)  # 0-dim: what the outputs start at
-        self.len_q = self.cu_q.diff().view(-1, 1, 1, 1)
-        self.len_kv = self.len_q if same else self.cu_kv.diff().view(-1, 1, 1, 1)
+        self.len_kv = (self.cu_q if same else self.cu_kv).diff().view(-1, 1, 1, 1)
+        len_q = self.cu_q.diff().view(-1, 1, 1, 1)
+        # Queries of a sequence with no keys attend to nothing: 0 by definition. cuDNN < 9.25 writes
+        # NaN for them, so it is not asked to compute them (length 0); their rows keep the fill, 0.
+        self.len_q = len_q if same else torch.where(self.len_kv == 0, 0, len_q)
         self._offsets: dict = {}
 
     def offsets(self, side: str, stride: int) -> torch.Tensor:
@@ -122,7 +126,6 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_
         buffers.append(sinks.reshape(1, h, 1, 1).float().contiguous())
     bd.run(found, tuple(buffers), q.device.index)
     bd.copy_back([out], [out_buf])
-    rows.zero_keyless_tokens(out, n.cu_q, n.cu_kv, n.bad)
     return out, lse
 
 
@@ -176,7 +179,6 @@ def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqle
                     torch.empty((1, h, 1, 1), dtype=torch.float32, device=q.device)]
     bd.run(found, tuple(buffers), q.device.index)
     bd.copy_back([dq, dk, dv], bufs)
-    rows.zero_keyless_tokens(dq, n.cu_q, n.cu_kv, n.bad)
     return dq, dk, dv, (rows.sink_grad_packed(sinks, lse, outr, do) if sinks is not None else None)
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from . import machine, support
 
-__all__ = ["dead_rows", "rows_past", "zero_keyless_tokens", "bad_lengths", "bad_packed_lengths",
+__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths",
            "sink_grad_dense", "sink_grad_packed", "new_philox"]
 
 
@@ -44,19 +43,6 @@ def rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:
     """(B, 1, s, 1) bool: row index >= length."""
     rows = torch.arange(s, device=lengths.device, dtype=lengths.dtype)
     return (rows[None, :] >= lengths[:, None]).view(lengths.shape[0], 1, s, 1)
-
-
-def zero_keyless_tokens(x: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, bad: torch.Tensor) -> None:
-    """cuDNN < 9.25 writes NaN for queries of a sequence with no keys; such rows attend to nothing
-    and are 0 by definition (unless ``bad``: out-of-range lengths keep their NaN). Skipped on
-    cuDNN >= 9.25."""
-    caps = machine.capabilities(x.device.index)
-    if caps.cudnn_version is not None and caps.cudnn_version >= support.ZERO_LENGTH_OK:
-        return
-    keyless = ((cu_kv[1:] - cu_kv[:-1]) == 0) & ~bad
-    tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_q.dtype)
-    batch = torch.searchsorted(cu_q[1:], tokens, right=True).clamp_(max=keyless.shape[0] - 1)
-    x.masked_fill_(keyless[batch].view(-1, *([1] * (x.dim() - 1))), 0)
 
 
 def bad_lengths(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor, s_q: int, s_kv: int) -> torch.Tensor:

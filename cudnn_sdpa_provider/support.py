@@ -39,7 +39,6 @@ BLOCKED_CUDNN = frozenset({91000, 91001})
 SINK_MIN = 91300  # sink_token forward and dense backward
 SINK_RAGGED_BWD_MIN = 92600  # ragged (THD) + sink backward
 DETERMINISTIC_SMALL_WS_MIN = 92500  # below this, sm_90 deterministic bwd needs O(B*H*S_q*S_kv) workspace
-ZERO_LENGTH_OK = 92500  # below this, sequences with no keys give NaN rows (the engine zeroes them)
 DROPOUT_BROKEN = (91100, 91400)  # [first bad, first good): cuDNN SDPA dropout bug
 MAX_HEAD_DIM = 256
 MAX_HEAD_DIM_BWD_PRE_HOPPER = 128

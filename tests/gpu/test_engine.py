@@ -201,10 +201,10 @@ def test_varlen_sinks_forward_served_backward_gated():
     lse = torch.ops.cudnn_sdpa.varlen_fwd(q, k, v, cu, cu, 90, 90, sinks, 0.125, -1, 0, True, False)[1]
     version = csp_caps().cudnn_version
     if version < 92600:
-        with pytest.raises(NotSupportedError) as info:
+        with pytest.raises(csp.FallbackError) as info:  # fallback=False: strict, refused
             torch.ops.cudnn_sdpa.varlen_bwd(torch.ones_like(out), q, k, v, out, lse, cu, cu, 90, 90, sinks, 0.125, -1,
                                             0, True, False, False)
-        assert info.value.reason == "sink_backward_ragged"
+        assert info.value.reasons == ["sink_backward_ragged"]
         before = counters.stats()
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         sink_leaf = sinks.clone().requires_grad_()
