@@ -40,8 +40,7 @@ def same_lengths(a, b) -> bool:
 def alignment(bottom_right: bool, *same) -> bool:
     """``bottom_right``, unless every sequence has as many keys as queries (each pair in ``same``
     is the same): then bottom-right and top-left are the same mask, and top-left is what cuDNN
-    runs fastest (its ragged bottom-right kernels do not skip masked tiles: results/gpu-runs.md,
-    runs 15-16)."""
+    runs fastest (its ragged bottom-right kernels do not skip masked tiles; docs/performance.md)."""
     return bottom_right and not all(same_lengths(a, b) for a, b in same)
 
 

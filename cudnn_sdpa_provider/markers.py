@@ -1,8 +1,9 @@
 """How a backward knows what its forward did: a record keyed by the storage of a forward output.
 
 The aten SDPA ops hand the backward only tensors the forward returned: the provider marks the
-dense forward's logsumexp and the varlen forward's ``rng_state``. Autograd saves those outputs by storage (``SavedVariable`` keeps
-the StorageImpl), and PyTorch preserves a storage's Python object while the StorageImpl lives, so
+dense forward's logsumexp and the varlen forward's ``rng_state``. Autograd saves those outputs by
+storage (``SavedVariable`` keeps the StorageImpl), and PyTorch preserves a storage's Python object
+while the StorageImpl lives, so
 ``id(t.untyped_storage())`` identifies the forward for exactly as long as its backward can run,
 on any thread, whether or not the provider's scope is still open. A weak reference's callback drops
 the record when the storage dies, so an id is never reused while its record exists (a plain

@@ -438,9 +438,8 @@ DenseFunction = _eager_function(
     {"cuda": _dense_bwd_cuda, "cpu": _dense_bwd_cpu},
     """The dense op pair without the custom-op machinery, for eager calls on plain tensors: the
     same kernels, contexts and counters, at a fraction of the host cost (the custom op's Python
-    autograd wrapper and two redispatches cost ~500 us per forward+backward on the H200 host of
-    run 12: docs/performance-notes.md). ``functional.attention`` picks it when nothing traces the
-    call (``eager``).""")
+    autograd wrapper and two redispatches: docs/performance-notes.md). ``functional.attention``
+    picks it when nothing traces the call (``eager``).""")
 VarlenFunction = _eager_function(
     "VarlenFunction", {"cuda": _varlen_fwd_cuda, "cpu": _varlen_fwd_cpu}, _varlen_setup_context, _varlen_grads,
     {"cuda": _varlen_bwd_cuda, "cpu": _varlen_bwd_cpu},

@@ -50,7 +50,7 @@ def max_total(caps, tokens_q: int, tokens_kv: int, batch: int, s_q: int, s_kv: i
     """``max_total_seq_len_q/kv`` for a ragged backward, or None to leave them unset.
 
     Without them cuDNN sizes the dQ accumulator (fp32) for the nominal B x S_max tokens; with them,
-    for the packed total (peak memory and time of both are in results/gpu-runs.md, runs 17-18).
+    for the packed total: less peak memory for a few percent of backward time (docs/performance.md).
     The tokens of the packed buffers bound the real totals (host ints, no sync), capped at the
     nominal size. The frontend warns of known problems with head dims not a multiple of 16 and with
     pre-Hopper kernels: there they stay unset."""
