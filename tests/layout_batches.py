@@ -97,8 +97,11 @@ def _events(path: pathlib.Path):
         return
     decoder = json.JSONDecoder()
     for line in path.read_text().splitlines():
-        _, status, rest = line.split(" ", 2)
-        cfg, end = decoder.raw_decode(rest)
+        try:
+            _, status, rest = line.split(" ", 2)
+            cfg, end = decoder.raw_decode(rest)
+        except ValueError:  # a line the dying child did not finish
+            continue
         yield status, cfg["id"], rest[end:].strip()
 
 
@@ -116,7 +119,7 @@ def _attempt(pending, workdir: pathlib.Path, n: int, device, seconds: float, kin
                               capture_output=True, text=True, timeout=max(seconds, 1))
         return proc.returncode, (proc.stdout + proc.stderr)[-3000:], list(_events(log))
     except subprocess.TimeoutExpired:
-        return None, f"killed after the batch's {seconds:.0f} s", list(_events(log))
+        return None, f"timed out: killed after the batch's {seconds:.0f} s", list(_events(log))
 
 
 def run_batch(configs, workdir, device, timeout: float, restarts: int = 2, kind: str = "layouts") -> BatchResult:

@@ -137,7 +137,8 @@ def _grouped(src: _Source, cfg, prefix: list, to_logical, offset: int):
         parts = src.buffer(prefix + [h_q, 3 * d], offset).chunk(3, -1)
     elif group == "linear_split":
         flat = src.buffer(prefix + [(h_q + 2 * h_kv) * d], offset)
-        parts = [p.view(prefix + [h, d]) for p, h in zip(flat.split([h_q * d, h_kv * d, h_kv * d], -1), (h_q, h_kv, h_kv))]
+        heads = (h_q, h_kv, h_kv)
+        parts = [p.view(prefix + [h, d]) for p, h in zip(flat.split([h * d for h in heads], -1), heads)]
     elif group == "kv_fused2":
         parts = (None,) + tuple(src.buffer(prefix + [2, h_kv, d], offset).unbind(n))
     else:
@@ -270,11 +271,15 @@ def _family(rng: random.Random, caps: dict, sizes: dict) -> dict:
     cfg["group"] = _pick(rng, groups)
     for name in "qkv":
         cfg[name] = rng.choice(list(solo))
-    cfg["aliasable"] = cfg["group"] == "none" and rng.random() < 0.3 and _fits("alias_qk", cfg["h_q"], cfg["h_kv"],
+    cfg["aliasable"] = cfg["group"] == "none" and rng.random() < 0.5 and _fits("alias_qk", cfg["h_q"], cfg["h_kv"],
                                                                               same_tokens)
-    if cfg["aliasable"]:
-        cfg["k"] = cfg["q"]  # variants may make q and k one tensor
+    if cfg["aliasable"]:  # variants may make q and k (and v) one tensor
+        cfg["k"] = cfg["q"]
+        cfg["v"] = cfg["q"] if rng.random() < 0.4 else cfg["v"]
     cfg["scale"] = rng.choice([None, None, 0.1]) if api != "varlen_attn" or "scale" in caps["varlen_params"] else None
+    # strides (and, through repairs, alignment) are part of a graph's key: these belong to the family
+    cfg["offsets"] = [rng.choice([0, 0, 8, 1]) for _ in range(3)]
+    cfg["go"] = rng.choice(list(VARLEN_GO if solo is VARLEN_SOLO else DENSE_GO))
     return cfg
 
 
@@ -282,7 +287,7 @@ def _dense_family(rng: random.Random, cfg: dict) -> None:
     if cfg["api"] == "sdpa":
         cfg["mask"] = rng.choice(DENSE_MASKS)
         cfg["mask_dims"] = rng.choice([[1, 1], [2, 1], [1, 2], [2, 2], [0, 0]])  # 1 / B (H) per dim; 0: 2-D
-        cfg["dropout_p"] = 0.25 if cfg["mask"] in ("none", "causal") and rng.random() < 0.2 else 0.0
+        cfg["dropout_p"] = 0.25 if cfg["mask"] in ("none", "causal") and rng.random() < 0.3 else 0.0
     else:
         cfg["window"] = rng.choice(ATTENTION_WINDOWS)
         cfg["window_w"] = rng.choice([16, 63])
@@ -295,7 +300,8 @@ def _varlen_family(rng: random.Random, caps: dict, cfg: dict, all_lens) -> None:
     cfg["lens_kv"] = lens if rng.random() < 0.7 else [n + rng.choice([0, 5, 40]) for n in lens]
     heads = [hq for hq in VARLEN_HEADS if hq[0] == hq[1] or cfg["api"] == "attention_varlen" or "enable_gqa" in params]
     cfg["h_q"], cfg["h_kv"] = rng.choice(heads)
-    windows = [w for w in VARLEN_WINDOWS if cfg["api"] == "attention_varlen" or w != "window" or "window_size" in params]
+    windows = [w for w in VARLEN_WINDOWS
+               if cfg["api"] == "attention_varlen" or w != "window" or "window_size" in params]
     cfg["window"] = rng.choice(windows)
     cfg["window_w"] = rng.choice([16, 63])
     forms = [f for f in ("window_size", "is_causal") if f in params] if cfg["api"] == "varlen_attn" else ["window"]
@@ -304,15 +310,12 @@ def _varlen_family(rng: random.Random, caps: dict, cfg: dict, all_lens) -> None:
 
 
 def _variant(rng: random.Random, family: dict, caps: dict) -> dict:
-    """A configuration of ``family``: what changes data, pointers or aliasing, not the graph."""
+    """A configuration of ``family``: its own data, aliasing, backward inside or after the scope, LSE
+    returned or not; nothing that changes the graph."""
     cfg = dict(family, seed=rng.randrange(2**16))
-    cfg["offsets"] = [rng.choice([0, 0, 8, 1]) for _ in range(3)]
-    varlen = cfg["api"] in ("varlen_attn", "attention_varlen")
-    cfg["go"] = rng.choice(list(VARLEN_GO if varlen else DENSE_GO))
     cfg["bwd_in_scope"] = rng.random() < 0.7
-    if cfg["aliasable"] and rng.random() < 0.5:
-        cfg["group"] = "alias_qkv" if cfg["v"] == cfg["q"] or rng.random() < 0.3 else "alias_qk"
-        cfg["v"] = cfg["q"] if cfg["group"] == "alias_qkv" else cfg["v"]
+    if cfg["aliasable"] and rng.random() < 0.6:
+        cfg["group"] = "alias_qkv" if cfg["v"] == cfg["q"] and rng.random() < 0.5 else "alias_qk"
     cfg["return_lse"] = cfg["api"] != "sdpa" and rng.random() < 0.3 and (
         cfg["api"] != "varlen_attn" or "return_aux" in caps["varlen_params"])
     return cfg
@@ -320,8 +323,8 @@ def _variant(rng: random.Random, family: dict, caps: dict) -> dict:
 
 def generate(n: int, seed: int, caps: dict, variants: int = 4, sizes: dict | None = None) -> list[dict]:
     """``n`` configurations, deterministic in ``seed``: families of ``variants`` configurations that
-    share a structure (so built graphs are shared), each with its own data, offsets, aliasing and
-    grad_out layout. Ids run 0..n-1. ``sizes`` ({"dense": shapes, "varlen": lengths}) replaces
+    share a structure, so built graphs (the dominant cost on the GPU) are shared (``_variant``).
+    Ids run 0..n-1. ``sizes`` ({"dense": shapes, "varlen": lengths}) replaces
     ``DENSE_SHAPES`` / ``VARLEN_LENS`` (the CPU tier's smaller ones)."""
     rng = random.Random(seed)
     sizes = sizes or {"dense": DENSE_SHAPES, "varlen": VARLEN_LENS}

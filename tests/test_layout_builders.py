@@ -188,7 +188,8 @@ def test_default_run_covers_every_class_group_api_and_grad_out_layout():
     dense_q = {c["q"] for c in configs if c["api"] in ("sdpa", "attention") and c["group"] in ("none", "kv_fused2")}
     varlen_q = {c["q"] for c in configs if c["api"].startswith(("varlen", "attention_v")) and c["group"] == "none"}
     assert dense_q == set(layouts.DENSE_SOLO) and varlen_q == set(layouts.VARLEN_SOLO)
-    assert set(layouts.GROUPS) <= seen["group"] and {"sdpa", "attention", "varlen_attn", "attention_varlen"} == seen["api"]
+    assert set(layouts.GROUPS) <= seen["group"]
+    assert seen["api"] == {"sdpa", "attention", "varlen_attn", "attention_varlen"}
     assert set(layouts.DENSE_GO) | set(layouts.VARLEN_GO) <= seen["go"]
     assert set(layouts.DENSE_MASKS) <= seen["mask"] and set(layouts.ATTENTION_WINDOWS) <= seen["window"]
     assert any(c.get("dropout_p") for c in configs) and any(c["h_q"] != c["h_kv"] for c in configs)
@@ -206,6 +207,15 @@ def test_varlen_arguments_follow_the_torch_signature():
     kwargs = layout_runner._varlen_kwargs(dict(_varlen(api="varlen_attn"), causal_form="is_causal"), {"is_causal"})
     assert kwargs == {"is_causal": True}
     assert layout_runner._varlen_kwargs(_varlen(api="varlen_attn", h_kv=2), {"window_size"}) is None
+
+
+def test_varlen_stride_oracle_is_torchs_fake_kernel():
+    """Where native varlen_attn cannot run (CPU here; a layout FlashAttention refuses on the GPU), the
+    strides come from torch's own fake kernels, which follow q for an (H, T, D) storage."""
+    cfg = _varlen(api="varlen_attn", q="htd", k="htd", v="htd")
+    ops = layouts.build(cfg, "cpu")
+    out, grads = layout_runner._varlen_rule(cfg, ops)
+    assert out == ops.q.stride() == (64, 32 * 64, 1) and grads == [t.stride() for t in (ops.q, ops.k, ops.v)]
 
 
 # --------------------------------------------------------------------------------- end to end
@@ -297,3 +307,38 @@ def test_a_child_that_dies_is_reported_with_its_config_and_the_rest_still_run(tm
     assert sorted(result.ok) == [0, 2] and not result.failed and not result.not_run
     problems = result.problems(configs)
     assert len(problems) == 1 and problems[0].startswith("config 1 CRASH") and '"inject": "abort"' in problems[0]
+
+
+# ------------------------------------------------------------ the lifecycle tier's scripts and rule
+
+
+def test_lifecycle_scripts_compile():
+    """The GPU tier's lifecycle scripts (tests/gpu/test_lifecycles.py) are at least valid Python."""
+    import textwrap
+
+    from tests.gpu import test_lifecycles as lifecycles
+
+    bodies = {"item3": lifecycles.ITEM3, "item4": lifecycles.ITEM4, "item5": lifecycles.ITEM5,
+              "item6": lifecycles.ITEM6, "item7": lifecycles.ITEM7, "item8": lifecycles.ITEM8,
+              "compile": lifecycles.COMPILE}
+    for name, body in bodies.items():
+        compile(lifecycles.PREAMBLE + textwrap.dedent(body), name, "exec")
+    ids = [c["id"] for cs in lifecycles.ITEM_CONFIGS.values() for c in cs]
+    assert len(ids) == len(set(ids))
+    for cfg in (c for cs in lifecycles.ITEM_CONFIGS.values() for c in cs):
+        layouts.build(cfg, "cpu")  # every item configuration builds
+
+
+def test_lifecycle_rule_and_result_parsing():
+    from tests import lifecycle_support as ls
+
+    native = {"out": 4e-3, "dq": 1.2e-2, "dk": 1e-3}
+    # out: 3 x native = 1.2e-2; gradient floor: max(2 x 1.2e-2, 3 x 1e-2) = 3e-2; dq: 3 x native = 3.6e-2
+    assert not ls.rule_problems({"out": 1.1e-2, "dq": 3.5e-2, "dk": 2.9e-2}, native)
+    found = ls.rule_problems({"out": 1.3e-2, "dq": 3.7e-2, "dk": 4e-2}, native, group=2)
+    assert [p.split(":")[0] for p in found] == ["out", "dq"]  # dk's floor grows with the group: sqrt(2) x 3e-2
+    assert [p.split(":")[0] for p in ls.rule_problems({"dk": 4e-2}, native)] == ["dk"]
+    assert ls.noise_tol(0.0) == 1e-6 and ls.noise_tol(1e-3) == 2 * 2.0**-8
+    assert ls.parse(f"noise\n{ls.MARK}{{\"a\": 1}}\n{ls.MARK}{{\"a\": 2}}\n") == {"a": 2}
+    with pytest.raises(ValueError):
+        ls.parse("Traceback ...")
