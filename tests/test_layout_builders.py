@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from cudnn_sdpa_provider import ops as csp_ops
-from cudnn_sdpa_provider import reference
+from cudnn_sdpa_provider import counters, reference
+from cudnn_sdpa_provider import layout as csp_layout
 from tests import layout_runner, layouts
 from tests.layout_batches import run_batch
 
@@ -248,27 +248,25 @@ def test_generated_cpu_configs_pass():
 
 
 def test_a_wrong_gradient_is_caught(monkeypatch):
-    real = csp_ops._dense_composite_bwd
+    real = reference.dense_backward  # what csp.attention's CPU kernel differentiates with
 
     def wrong_dq(*args, **kwargs):
         dq, dk, dv, ds = real(*args, **kwargs)
         return dq * 1.1, dk, dv, ds
 
-    monkeypatch.setattr(csp_ops, "_dense_composite_bwd", wrong_dq)
+    monkeypatch.setattr(reference, "dense_backward", wrong_dq)
     with pytest.raises(AssertionError, match=r"dq: max\|err\|"):
         layout_runner.run_config(_dense(api="attention", window="none", window_w=16), "cpu")
 
 
 def test_wrong_strides_are_caught(monkeypatch):
-    real = csp_ops._dense_composite_bwd
-    monkeypatch.setattr(csp_ops, "_dense_composite_bwd",
-                        lambda *a, **k: tuple(g.contiguous() for g in real(*a, **k)))
+    monkeypatch.setattr(csp_layout, "grad_like", lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device))
     with pytest.raises(AssertionError, match=r"dq: strides .* fake kernels"):
         layout_runner.run_config(_dense(api="attention", q="bshd", window="none", window_w=16), "cpu")
 
 
 def test_a_call_counted_nowhere_is_caught(monkeypatch):
-    monkeypatch.setattr(csp_ops, "_fail_or_fallback", lambda path, exc, fallback: None)
+    monkeypatch.setattr(counters, "record", lambda path, reason=None: None)
     with pytest.raises(AssertionError, match="dense_fwd counted 0 calls"):
         layout_runner.run_config(_dense(api="attention", window="none", window_w=16), "cpu")
 
