@@ -44,13 +44,25 @@ def machine():
 
 def fuzz_counts(path):
     """{kind: {"ok": n, "FAIL": n}} from a CSP_FUZZ_LOG file (one line per configuration tried;
-    hypothesis's shrinking of a failure adds FAIL lines)."""
-    counts = {}
+    hypothesis's shrinking of a failure adds FAIL lines). Kinds that write "START" before each
+    configuration (the layout batches, tests/layout_batches.py) also get "crash": the STARTs that no
+    ok/FAIL line ended, because the process died on them (configurations of a kind run one at a
+    time, so the next line of the kind ends a START or shows it crashed)."""
+    counts, open_start = {}, {}
     with open(path) as f:
         for line in f:
             kind, status = line.split(" ", 2)[:2]
-            counts.setdefault(kind, {}).setdefault(status, 0)
-            counts[kind][status] += 1
+            bucket = counts.setdefault(kind, {})
+            if status == "START":
+                bucket.setdefault("crash", 0)
+                bucket["crash"] += open_start.get(kind, False)
+                open_start[kind] = True
+                continue
+            if kind in open_start:
+                open_start[kind] = False
+            bucket[status] = bucket.get(status, 0) + 1
+    for kind, still_open in open_start.items():
+        counts[kind]["crash"] += still_open
     return counts
 
 

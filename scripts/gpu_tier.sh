@@ -4,7 +4,8 @@
 #   then, with BENCH=1, the benchmark. Logs, junit XML and summary.json go to $OUT.
 # Usage: OUT=/tmp/out bash scripts/gpu_tier.sh   (FRONTENDS="1.32.0" to run one, SKIP_SLOW=1, FUZZ_EXAMPLES=N,
 #        PYTEST_ARGS="..." extra pytest options (split on spaces), PYTEST_K="expr" a pytest -k expression,
-#        BENCH=1 BENCH_ARGS="--quick")
+#        LAYOUT_EXAMPLES=N generated layout configurations on the first frontend (LAYOUT_EXAMPLES_OTHERS
+#        on the others), LAYOUT_BATCH=N configurations per child process, BENCH=1 BENCH_ARGS="--quick")
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -16,6 +17,9 @@ for fe in $FRONTENDS; do
   # The full fuzz budget (issue: >= 500 configurations per run) on the first frontend, a smaller
   # one on the others.
   if [ $first = 1 ]; then export CSP_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-500}; else export CSP_FUZZ_EXAMPLES=${FUZZ_EXAMPLES_OTHERS:-100}; fi
+  # The layout differential tests (issue #14: >= 1000 configurations per run) likewise.
+  if [ $first = 1 ]; then export CSP_LAYOUT_EXAMPLES=${LAYOUT_EXAMPLES:-1000}; else export CSP_LAYOUT_EXAMPLES=${LAYOUT_EXAMPLES_OTHERS:-250}; fi
+  export CSP_LAYOUT_BATCH=${LAYOUT_BATCH:-125}
   first=0
   site=/tmp/csp-fe-$fe
   rm -rf "$site"

@@ -1,5 +1,5 @@
 """CPU tier: scripts/gpu_summary.py, which the GPU tier's record is made from (junit counts per
-frontend, fuzz configurations counted from CSP_FUZZ_LOG files)."""
+frontend, fuzz configurations counted from CSP_FUZZ_LOG files, layout crashes from START lines)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,21 @@ def test_counts_junit_and_fuzz_lines(tmp_path):
     assert runs["1.32.0"]["figures"] == {"tests.gpu.a::ok2": {"allocated_drift_bytes": "0"}}
     assert runs["1.32.0"]["fuzz_configs"] == {"dense": {"ok": 3, "FAIL": 1}, "varlen": {"ok": 1}}
     assert runs["1.28.0"] == {"fuzz_configs": {"varlen": {"ok": 1}}}
+
+
+def test_layout_lines_count_ok_fail_and_crashes(tmp_path):
+    """A START that the next line of its kind does not end (ok / FAIL) is a crash: the child died on it
+    and a fresh one resumed after it; one still open at the end of the log crashed too."""
+    (tmp_path / "fuzz-1.32.0.log").write_text("".join([
+        'layouts START {"id": 0}\n', 'layouts ok {"id": 0} dense_fwd=served dense_bwd=served\n',
+        'layouts START {"id": 1}\n', 'dense ok {\'b\': 1}\n',  # another kind in between changes nothing
+        'layouts FAIL {"id": 1} AssertionError: dq: max|err|/max|ref| = 1.1e+00\n',
+        'layouts START {"id": 2}\n',  # crashed: the next START comes first
+        'layouts START {"id": 3}\n', 'layouts ok {"id": 3} varlen_fwd=served varlen_bwd=served\n',
+        'layouts START {"id": 4}\n',  # crashed: the log ends
+    ]))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(done.stdout)["frontends"]["1.32.0"]["fuzz_configs"]
+    assert counts == {"layouts": {"ok": 2, "FAIL": 1, "crash": 2}, "dense": {"ok": 1}}

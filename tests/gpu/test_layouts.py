@@ -1,0 +1,66 @@
+"""GPU tier: operands built the way model code builds them, against native PyTorch and fp32 (issue #14).
+
+``CSP_LAYOUT_EXAMPLES`` generated configurations (default 1000; tests/layouts.py: fused QKV / KV
+views, heads split from one linear output, head-dim slices, transposes and permutations, expanded
+heads / queries / batch, storage offsets and unaligned rows, q is k, grad_out of its own layout;
+F.scaled_dot_product_attention inside ``enable()``, ``csp.attention`` dense and packed, and
+``varlen_attn`` in every argument form this torch has; GQA, masks, dropout, causal alignments;
+forward and backward), deterministic in ``CSP_LAYOUT_SEED``. Each configuration is checked by
+tests/layout_runner.py (accuracy by the FlashAttention rule per tensor, strides equal native's, no
+NaN, counters) in batches of ``CSP_LAYOUT_BATCH``, each batch in a child process
+(tests/layout_batches.py), so a CUDA error or a segfault fails its batch naming the configuration
+that was running, and the rest of the batch (in a fresh child) and the other batches still run.
+
+Budget: ~450 s on an H200 for the default 1000 (configurations come in families of
+``CSP_LAYOUT_VARIANTS`` that share their graphs, so builds are shared); a batch may take
+``CSP_LAYOUT_BATCH_TIMEOUT`` seconds and ``CSP_LAYOUT_RESTARTS`` fresh children after crashes; the
+whole file stops at ``CSP_LAYOUT_DEADLINE`` seconds, failing the batches it did not reach.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+import pytest
+
+from tests import layouts
+from tests.layout_batches import run_batch
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("CSP_LAYOUT_EXAMPLES", "1000"))
+BATCH = int(os.environ.get("CSP_LAYOUT_BATCH", "125"))
+SEED = int(os.environ.get("CSP_LAYOUT_SEED", "14"))
+VARIANTS = int(os.environ.get("CSP_LAYOUT_VARIANTS", "4"))
+BATCH_TIMEOUT = float(os.environ.get("CSP_LAYOUT_BATCH_TIMEOUT", "180"))
+DEADLINE = float(os.environ.get("CSP_LAYOUT_DEADLINE", "450"))
+RESTARTS = int(os.environ.get("CSP_LAYOUT_RESTARTS", "3"))  # fresh children per batch after crashes
+# Generation only inspects torch's signatures: nothing here touches CUDA at collection.
+BATCHES = layouts.split(layouts.generate(EXAMPLES, SEED, layouts.capabilities("cuda"), VARIANTS), BATCH)
+_STARTED: list[float] = []
+
+
+def _outcomes(result) -> dict:
+    """How the configurations were counted ('dense_fwd=served dense_bwd=served': n), for the record."""
+    return dict(collections.Counter(result.ok.values()).most_common())
+
+
+@pytest.mark.parametrize("index", range(len(BATCHES)), ids=[f"batch{i}" for i in range(len(BATCHES))])
+def test_generated_layouts_agree_with_native(index, tmp_path, record_property):
+    batch = BATCHES[index]
+    _STARTED[:] = _STARTED or [time.monotonic()]
+    left = DEADLINE - (time.monotonic() - _STARTED[0])
+    if left <= 0:
+        pytest.fail(f"batch {index} (configs {batch[0]['id']}..{batch[-1]['id']}) not run: the file's "
+                    f"{DEADLINE:.0f} s (CSP_LAYOUT_DEADLINE) are spent")
+    result = run_batch(batch, tmp_path, "cuda", timeout=min(BATCH_TIMEOUT, left), restarts=RESTARTS)
+    record_property("layout_configs_ok", len(result.ok))
+    record_property("layout_batch_seconds", round(result.seconds, 1))
+    record_property("layout_outcomes", json.dumps(_outcomes(result)))
+    problems = result.problems(batch)
+    assert not problems, f"{len(problems)} problem(s) in batch {index} ({len(result.ok)} ok):\n" + "\n".join(
+        problems[:20])
+    assert len(result.ok) == len(batch)

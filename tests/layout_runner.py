@@ -1,0 +1,483 @@
+"""One layout configuration (tests/layouts.py) against native PyTorch, fp32 and the fake kernels.
+
+``run_config(cfg, device)`` builds the operands, runs the call natively (no provider) and through the
+provider, and checks, raising AssertionError with every mismatch it found:
+
+* accuracy, per tensor (out, each gradient, the LSE when returned), by the FlashAttention rule used
+  in tests/gpu/test_reliability.py: error vs an fp32 reference <= max(3 x the error of native
+  PyTorch in the same dtype, a floor); gradient floors grow with the GQA group. Where native cannot
+  run the call (a CPU varlen call, a layout FlashAttention refuses), the low-precision composite
+  (``reference`` in the input dtype) stands in for it;
+* no NaN anywhere (the masks leave every query a key), outputs written (the allocator is poisoned
+  with NaN first on CUDA);
+* strides of out and every gradient equal native's (same backend as the provider's scope selects),
+  or where native did not run, what the fake / meta kernels say; dims of size 1 are ignored;
+* counters: the provider's call counts exactly one forward and one backward on its path, served or
+  fallback with a catalogued reason, never neither; the native call counts nothing;
+* dropout (masks differ between kernels): forward/backward consistency, <dV, V> = <dO, O> and
+  <dQ, Q> = <dK, K> exactly in exact arithmetic for any mask, and the output is as far from the
+  dropout-free result as native's is.
+
+Batches of configurations run in child processes: tests/layout_batches.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import cudnn_sdpa_provider as csp
+from cudnn_sdpa_provider import counters, reasons, reference
+from tests import layouts
+from tests.util import poison_allocator, rel_error
+
+FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # as tests/gpu/test_reliability.py
+#: The LSE is fp32 of the same low-precision inputs everywhere; only the accumulation order differs.
+LSE_FLOOR = 1e-4
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+#: How many rounding-noise estimates a dropout identity may be off (the native kernel must pass too).
+IDENTITY_SIGMAS = 8
+
+
+@dataclass
+class Case:
+    """What one API needs: the provider's call, native's, the fp32 reference and the layout rule."""
+
+    paths: tuple
+    provider: Callable  # () -> (out, lse or None)
+    native: Callable | None
+    in_scope: bool  # the provider call runs inside csp.enable()
+    reference: Callable  # (q, k, v) fp32 leaves -> (out, lse)
+    low: Callable  # () -> (out, lse, (dq, dk, dv)) in the input dtype, by the composite
+    rule: Callable  # () -> (out strides, [grad strides]) from the fake / meta kernels
+    native_strides: bool = True  # native's strides are the oracle (else ``rule``)
+
+
+@dataclass
+class Result:
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    grads: list = field(default_factory=list)
+    delta: counters.Stats | None = None
+    error: BaseException | None = None
+
+
+# ------------------------------------------------------------------------------------- cases
+
+
+def _meta(t):
+    return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+
+
+def _grad_rule(ops):
+    return [torch.empty_like(_meta(t)).stride() for t in ops.inputs]
+
+
+def _dense_rule(ops):
+    """aten's meta kernel of the cuDNN op (the layout compiled code plans with); grads empty_like."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(_meta(ops.q), _meta(ops.k), _meta(ops.v), None, False)[0]
+    return out.stride(), _grad_rule(ops)
+
+
+def _by_name(op, **kwargs):
+    """Call a torch_attn op with the arguments its schema has (they differ across torch releases)."""
+    names = [a.name for a in op._schema.arguments]
+    return op(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def _varlen_rule(cfg, ops):
+    """torch's own fake kernels of torch_attn::_varlen_attn(_backward), on meta tensors: what
+    compiled code plans with when the provider serves varlen_attn."""
+    import torch.nn.attention.varlen  # noqa: F401  (defines torch_attn::*)
+
+    ns = torch.ops.torch_attn
+    m = [_meta(t) for t in (ops.q, ops.k, ops.v, ops.cu_q, ops.cu_k)]
+    sizes = dict(max_q=max(cfg["lens_q"]), max_k=max(cfg["lens_kv"]), is_causal=False)
+    out, lse, rng = _by_name(ns._varlen_attn.default, query=m[0], key=m[1], value=m[2], cu_seq_q=m[3], cu_seq_k=m[4],
+                             enable_gqa=cfg["h_q"] != cfg["h_kv"], **sizes)
+    grads = _by_name(ns._varlen_attn_backward.default, grad_out=_meta(ops.go), query=m[0], key=m[1], value=m[2],
+                     out=out, lse=lse, cu_seq_q=m[3], cu_seq_k=m[4], rng_state=rng, **sizes)
+    by_operand = dict(zip((id(ops.q), id(ops.k), id(ops.v)), (g.stride() for g in grads)))
+    return out.stride(), [by_operand[id(t)] for t in ops.inputs]
+
+
+def _fake_rule(ops, call):
+    """The strides ``call`` gives on fake copies of the operands (the provider's own fake kernels)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with warnings.catch_warnings():  # converting a non-leaf view reads its .grad (torch warns)
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        fakes = {id(t): mode.from_tensor(t) for t in (ops.q, ops.k, ops.v, ops.go, ops.cu_q, ops.cu_k) if t is not None}
+    fake_ops = layouts.Operands(*(fakes[id(t)] for t in (ops.q, ops.k, ops.v, ops.go)),
+                                cu_q=fakes.get(id(ops.cu_q)), cu_k=fakes.get(id(ops.cu_k)))
+    with mode:
+        out = call(fake_ops)
+        grads = torch.autograd.grad(out, fake_ops.inputs, fake_ops.go)
+    return out.stride(), [g.stride() for g in grads]
+
+
+def _bias32(mask):
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float()
+
+
+def _low_dense(cfg, ops, **kw):
+    dtype = layouts.DTYPES[cfg["dtype"]]
+    q, k, v = (t.detach() for t in (ops.q, ops.k, ops.v))
+    with torch.no_grad():
+        out, lse = reference.dense(q, k, v, compute_dtype=dtype, **kw)
+        grads = reference.dense_backward(ops.go, q, k, v, compute_dtype=dtype, **kw)[:3]
+    return out, lse, grads
+
+
+def _low_varlen(cfg, ops, **kw):
+    dtype = layouts.DTYPES[cfg["dtype"]]
+    q, k, v = (t.detach() for t in (ops.q, ops.k, ops.v))
+    args = (ops.cu_q, ops.cu_k, max(cfg["lens_q"]), max(cfg["lens_kv"]))
+    with torch.no_grad():
+        out, lse = reference.varlen(q, k, v, *args, compute_dtype=dtype, **kw)
+        grads = reference.varlen_backward(ops.go, q, k, v, *args, compute_dtype=dtype, **kw)[:3]
+    return out, lse, grads
+
+
+def _scale(cfg):
+    return cfg["scale"] if cfg["scale"] is not None else 1.0 / math.sqrt(cfg["d"])
+
+
+def _sdp_choice(ops, kw) -> int:
+    return int(torch._fused_sdp_choice(ops.q, ops.k, ops.v, attn_mask=kw["attn_mask"], dropout_p=kw["dropout_p"],
+                                       is_causal=kw["is_causal"], scale=kw["scale"],
+                                       enable_gqa=kw.get("enable_gqa", False)))
+
+
+def _sdpa_case(cfg, ops) -> Case:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kw = dict(attn_mask=ops.mask, dropout_p=cfg["dropout_p"], is_causal=cfg["mask"] == "causal", scale=cfg["scale"])
+    if cfg["h_q"] != cfg["h_kv"]:
+        kw["enable_gqa"] = True
+
+    def call():
+        return F.scaled_dot_product_attention(ops.q, ops.k, ops.v, **kw), None
+
+    outside = _sdp_choice(ops, kw)
+    with csp.enable():
+        inside = _sdp_choice(ops, kw)
+
+    def native():  # native PyTorch on the backend the provider's scope selects, for equal strides
+        with sdpa_kernel([SDPBackend(inside)]) if inside not in (outside, -1) else nullcontext():
+            return call()
+
+    ref_kw = dict(scale=_scale(cfg), window=(-1, 0) if kw["is_causal"] else (-1, -1))
+    return Case(("dense_fwd", "dense_bwd"), call, native, True,
+                lambda q, k, v: reference.dense(q, k, v, bias=_bias32(ops.mask), **ref_kw),
+                lambda: _low_dense(cfg, ops, bias=_bias32(ops.mask), **ref_kw), lambda: _dense_rule(ops))
+
+
+def _attention_window(cfg):
+    w = cfg["window_w"]
+    return {"none": ((-1, -1), False), "causal": ((-1, 0), False), "causal_br": ((-1, 0), True),
+            "window": ((w, 0), False), "window_br": ((w, 0), True)}[cfg["window"]]
+
+
+def _attention_case(cfg, ops) -> Case:
+    window, br = _attention_window(cfg)
+    s_q, s_kv = cfg["s_q"], cfg["s_kv"]
+
+    def call():
+        got = csp.attention(ops.q, ops.k, ops.v, scale=cfg["scale"], window=window, bottom_right=br,
+                            return_lse=cfg["return_lse"])
+        return got if cfg["return_lse"] else (got, None)
+
+    def native():  # F.sdpa says every window here as is_causal or a boolean mask (no row is empty)
+        mask, causal = None, False
+        if window == (-1, 0) and (not br or s_q == s_kv):
+            causal = True
+        elif window != (-1, -1):
+            mask = reference.allowed_mask(s_q, s_kv, window, br, device=ops.q.device)
+        return F.scaled_dot_product_attention(ops.q, ops.k, ops.v, attn_mask=mask, is_causal=causal,
+                                              scale=cfg["scale"], enable_gqa=cfg["h_q"] != cfg["h_kv"]), None
+
+    ref_kw = dict(scale=_scale(cfg), window=window, bottom_right=br)
+    return Case(("dense_fwd", "dense_bwd"), call, native, False,
+                lambda q, k, v: reference.dense(q, k, v, **ref_kw), lambda: _low_dense(cfg, ops, **ref_kw),
+                lambda: _dense_rule(ops), native_strides=False)  # F.sdpa's own preprocessing differs
+
+
+def _varlen_window(cfg):
+    return {"none": (-1, -1), "causal": (-1, 0), "window": (cfg["window_w"], 0)}[cfg["window"]]
+
+
+def _varlen_params() -> set:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return set()
+    return set(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_kwargs(cfg, params: set) -> dict | None:
+    """varlen_attn's keyword arguments for ``cfg`` in this torch's spelling; None if it has none."""
+    window, kw = _varlen_window(cfg), {}
+    if cfg["scale"] is not None:
+        if "scale" not in params:
+            return None
+        kw["scale"] = cfg["scale"]
+    if window != (-1, -1):
+        if cfg.get("causal_form") == "is_causal" and window == (-1, 0) and "is_causal" in params:
+            kw["is_causal"] = True
+        elif "window_size" in params:
+            kw["window_size"] = window
+        else:
+            return None
+    if cfg["h_q"] != cfg["h_kv"]:
+        if "enable_gqa" not in params:
+            return None
+        kw["enable_gqa"] = True
+    if cfg["return_lse"] and cfg["api"] == "varlen_attn":
+        from torch.nn.attention.varlen import AuxRequest
+
+        kw["return_aux"] = AuxRequest(lse=True)
+    return kw
+
+
+def _varlen_native(cfg, ops):
+    """varlen_attn on the same operands (FlashAttention: bottom-right alignment), or None where it
+    cannot say the call: no CUDA, an argument this torch lacks, top-left alignment of unequal lengths."""
+    params = _varlen_params()
+    kw = _varlen_kwargs(cfg, params)
+    if ops.q.device.type != "cuda" or kw is None or not (cfg["bottom_right"] or cfg["lens_q"] == cfg["lens_kv"]):
+        return None
+    from torch.nn.attention.varlen import varlen_attn
+
+    def call():
+        got = varlen_attn(ops.q, ops.k, ops.v, ops.cu_q, ops.cu_k, max(cfg["lens_q"]), max(cfg["lens_kv"]), **kw)
+        return got if isinstance(got, tuple) else (got, None)
+
+    return call
+
+
+def _varlen_case(cfg, ops) -> Case:
+    window, br = _varlen_window(cfg), cfg["bottom_right"]
+    native = _varlen_native(cfg, ops)
+    sizes = (ops.cu_q, ops.cu_k, max(cfg["lens_q"]), max(cfg["lens_kv"]))
+
+    def attention(o):
+        return csp.attention(o.q, o.k, o.v, cu_seqlens_q=o.cu_q, cu_seqlens_kv=o.cu_k, max_seqlen_q=sizes[2],
+                             max_seqlen_kv=sizes[3], scale=cfg["scale"], window=window, bottom_right=br,
+                             return_lse=cfg["return_lse"])
+
+    if cfg["api"] == "varlen_attn":
+        call, rule = native, lambda: _varlen_rule(cfg, ops)
+    else:
+        def call():
+            got = attention(ops)
+            return got if cfg["return_lse"] else (got, None)
+
+        rule = lambda: _fake_rule(ops, lambda o: (attention(o)[0] if cfg["return_lse"] else attention(o)))  # noqa: E731
+    ref_kw = dict(scale=_scale(cfg), window=window, bottom_right=br)
+    return Case(("varlen_fwd", "varlen_bwd"), call, native, cfg["api"] == "varlen_attn",
+                lambda q, k, v: reference.varlen(q, k, v, *sizes, **ref_kw), lambda: _low_varlen(cfg, ops, **ref_kw),
+                rule)
+
+
+CASES = {"sdpa": _sdpa_case, "attention": _attention_case, "varlen_attn": _varlen_case,
+         "attention_varlen": _varlen_case}
+
+
+# --------------------------------------------------------------------------------------- runs
+
+
+def _poison(device) -> None:
+    """NaN in the caching allocator's free blocks, large pool and small (<= 1 MiB) pool alike, so an
+    output or gradient a kernel did not write reads as NaN."""
+    if torch.device(device).type != "cuda":
+        return
+    poison_allocator(device)
+    junk = [torch.full((1 << 17,), float("nan"), device=device) for _ in range(64)]  # 512 KiB each
+    del junk
+
+
+def _run(fn, ops, seed: int, scope: bool, bwd_in_scope: bool = True) -> Result:
+    """Forward and backward (autograd.grad of the views, so gradients keep the kernel's strides)."""
+    torch.manual_seed(seed)
+    before = counters.stats()
+    result = Result()
+    try:
+        with csp.enable() if scope else nullcontext():
+            result.out, result.lse = fn()
+            if bwd_in_scope:
+                result.grads = list(torch.autograd.grad(result.out, ops.inputs, ops.go))
+        if not bwd_in_scope:
+            result.grads = list(torch.autograd.grad(result.out, ops.inputs, ops.go))
+        if ops.q.device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as exc:  # compared by the caller: native may refuse a layout
+        result.error = exc
+    result.delta = counters.stats() - before
+    return result
+
+
+def _layout_of(strides, shape) -> tuple:
+    """Strides of the dims of extent > 1 (a size-1 dim's stride means nothing)."""
+    return tuple(s for s, n in zip(strides, shape) if n > 1)
+
+
+def _layout(t) -> tuple:
+    return _layout_of(t.stride(), t.shape)
+
+
+def _outcome(delta, paths) -> str:
+    d = delta.to_dict()
+    parts = []
+    for p in paths:
+        fell = d[p]["fallback"]
+        parts.append(f"{p}=" + ("served" if d[p]["served"] else "fallback:" + ",".join(sorted(fell))))
+    return " ".join(parts)
+
+
+def _check_counts(problems, delta, paths, expect) -> None:
+    d = delta.to_dict()
+    for p in reasons.PATHS:
+        want = 1 if p in paths else 0
+        if delta.total(p) != want:
+            problems.append(f"counters: {p} counted {delta.total(p)} calls, want {want}: {d}")
+    for p in paths:
+        unknown = [r for r in d[p]["fallback"] if r not in reasons.CATALOG]
+        if unknown:
+            problems.append(f"counters: {p} fell back for uncatalogued reasons {unknown}")
+        if expect.get(p) == "served" and d[p]["served"] != 1:
+            problems.append(f"counters: {p} must be served here: {d[p]}")
+
+
+def _close(problems, name, got, want, tol) -> None:
+    if torch.isnan(got).any():
+        problems.append(f"{name} has NaN at {tuple(torch.nonzero(torch.isnan(got))[0].tolist())}")
+        return
+    err, worst = rel_error(got, want)
+    if err > tol:
+        problems.append(f"{name}: max|err|/max|ref| = {err:.2e} > {tol:.2e} at {worst}: got "
+                        f"{got[worst].item():.6g}, want {want[worst].item():.6g}")
+
+
+def _per_input(ops, grads) -> list:
+    """Composite gradients (dq, dk, dv) summed per distinct input (q is k gets dq + dk)."""
+    return [sum(g for g, t in zip(grads, (ops.q, ops.k, ops.v)) if t is x) for x in ops.inputs]
+
+
+def _oriented(x, shape):
+    """An LSE as (T, H) or dense (B, H, S, 1): varlen_attn's own is (H, T)."""
+    return x.t() if x.dim() == 2 and tuple(x.shape) != tuple(shape) else x
+
+
+def _reference(case, ops):
+    leaves = {id(t): t.detach().float().requires_grad_() for t in ops.inputs}
+    ref, ref_lse = case.reference(*(leaves[id(t)] for t in (ops.q, ops.k, ops.v)))
+    grads = torch.autograd.grad(ref, [leaves[id(t)] for t in ops.inputs], ops.go.float())
+    return ref.detach(), ref_lse.detach(), grads
+
+
+def _check_accuracy(problems, cfg, ops, got, native, case) -> None:
+    dtype = layouts.DTYPES[cfg["dtype"]]
+    ref, ref_lse, ref_grads = _reference(case, ops)
+    need_low = native is None or (got.lse is not None and native.lse is None)
+    low = case.low() if need_low else None  # (out, lse, (dq, dk, dv)) of the composite in the input dtype
+    base_out, base_grads = (native.out, native.grads) if native is not None else (low[0], _per_input(ops, low[2]))
+    out_tol = max(3 * rel_error(base_out, ref)[0], FLOOR[dtype])
+    _close(problems, "out", got.out, ref, out_tol)
+    grad_floor = max(2 * out_tol, 3 * FLOOR[dtype])
+    for name, g, want, base in zip(ops.names, got.grads, ref_grads, base_grads):
+        group = cfg["h_q"] // cfg["h_kv"] if name in ("dk", "dv") else 1  # GQA dK/dV sum over the group
+        _close(problems, name, g, want, max(3 * rel_error(base, want)[0], grad_floor * math.sqrt(group)))
+    if got.lse is not None:
+        base_lse = native.lse if native is not None and native.lse is not None else low[1]
+        as_ref = [_oriented(x, ref_lse.shape).reshape(ref_lse.shape).float() for x in (base_lse, got.lse)]
+        _close(problems, "lse", as_ref[1], ref_lse, max(3 * rel_error(as_ref[0], ref_lse)[0], LSE_FLOOR))
+
+
+def _identity_gaps(ops, res, dtype) -> list[str]:
+    """<dV, V> = <dO, O> and <dQ, Q> = <dK, K> hold for any dropout mask, if the backward used the
+    forward's (the second: scaling Q by t and K by 1/t changes nothing). Off by more than
+    IDENTITY_SIGMAS rounding-noise estimates means forward and backward disagree."""
+    if len(ops.inputs) < 3:
+        return []  # aliased operands: dQ and dK are not separate
+    dq, dk, dv = res.grads
+    gaps = []
+    for name, (a, x), (b, y) in (("<dV,V> = <dO,O>", (dv, ops.v), (ops.go, res.out)),
+                                 ("<dQ,Q> = <dK,K>", (dq, ops.q), (dk, ops.k))):
+        ta, tb = a.double() * x.detach().double(), b.double() * y.detach().double()
+        gap = (ta.sum() - tb.sum()).abs().item()
+        noise = UNIT_ROUNDOFF[dtype] * (ta.square().sum().sqrt() + tb.square().sum().sqrt()).item()
+        if gap > IDENTITY_SIGMAS * noise:
+            gaps.append(f"{name}: off by {gap:.3e} > {IDENTITY_SIGMAS} x noise {noise:.3e}")
+    return gaps
+
+
+def _rms_from(out, ref) -> float:
+    return ((out.double() - ref.double()).square().mean().sqrt() / ref.double().square().mean().sqrt()).item()
+
+
+def _check_dropout(problems, cfg, ops, got, native, case) -> None:
+    dtype = layouts.DTYPES[cfg["dtype"]]
+    for name, t in [("out", got.out)] + list(zip(ops.names, got.grads)):
+        if torch.isnan(t).any():
+            problems.append(f"{name} has NaN (dropout)")
+    problems += [f"provider: {gap}" for gap in _identity_gaps(ops, got, dtype)]
+    if native is None:
+        return
+    problems += [f"native (the check itself is wrong): {gap}" for gap in _identity_gaps(ops, native, dtype)]
+    ref = _reference(case, ops)[0]  # without dropout
+    mine, theirs = _rms_from(got.out, ref), _rms_from(native.out, ref)
+    if not theirs / 4 <= mine <= 4 * theirs:
+        problems.append(f"dropout: rms(out - no-dropout out) is {mine:.3f} of the output, native's {theirs:.3f}")
+
+
+def _check_strides(problems, got, native, case, ops) -> None:
+    if native is not None and case.native_strides:
+        source, want_out, want_grads = "native", native.out.stride(), [g.stride() for g in native.grads]
+        if got.lse is not None and native.lse is not None and (
+                got.lse.shape != native.lse.shape or _layout(got.lse) != _layout(native.lse)):
+            problems.append(f"lse: shape/strides {tuple(got.lse.shape)}/{got.lse.stride()}, native "
+                            f"{tuple(native.lse.shape)}/{native.lse.stride()}")
+    else:
+        source, (want_out, want_grads) = "fake kernels", case.rule()
+    for name, t, want in [("out", got.out, want_out)] + list(zip(ops.names, got.grads, want_grads)):
+        if _layout(t) != _layout_of(want, t.shape):
+            problems.append(f"{name}: strides {t.stride()}, {source} {tuple(want)} (shape {tuple(t.shape)})")
+
+
+def run_config(cfg: dict, device) -> str:
+    """Run one configuration; raise AssertionError naming every mismatch; return what was counted."""
+    ops = layouts.build(cfg, device)
+    case = CASES[cfg["api"]](cfg, ops)
+    native = _run(case.native, ops, cfg["seed"], scope=False) if case.native is not None else None
+    _poison(device)
+    got = _run(case.provider, ops, cfg["seed"], scope=case.in_scope, bwd_in_scope=cfg["bwd_in_scope"])
+    if got.error is not None:
+        if native is not None and type(native.error) is type(got.error):
+            return f"native and provider both raise {type(got.error).__name__}"
+        raise AssertionError(f"the provider raised {got.error!r}; native: {native.error if native else '-'!r}")
+    if native is not None and native.error is not None:
+        native = None  # native refuses this layout: the composite and the fake kernels stand in
+    problems: list[str] = []
+    _check_counts(problems, got.delta, case.paths, cfg.get("expect", {}))
+    if native is not None and any(native.delta.total(p) for p in reasons.PATHS):
+        problems.append(f"counters: the native call outside any scope was counted: {native.delta.to_dict()}")
+    if got.out.shape != (native.out.shape if native is not None else got.out.shape):
+        problems.append(f"out shape {tuple(got.out.shape)}, native {tuple(native.out.shape)}")
+    _check_strides(problems, got, native, case, ops)
+    (_check_dropout if cfg.get("dropout_p") else _check_accuracy)(problems, cfg, ops, got, native, case)
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return _outcome(got.delta, case.paths)
