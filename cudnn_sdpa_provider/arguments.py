@@ -14,7 +14,7 @@ import math
 
 import torch
 
-__all__ = ["require_tensor", "common", "lengths", "cu_seqlens", "max_seqlen", "scale", "dropout", "flag",
+__all__ = ["require_tensor", "readable", "common", "lengths", "cu_seqlens", "max_seqlen", "scale", "dropout", "flag",
            "validate_mode", "check_lengths", "check_cu_seqlens"]
 
 
@@ -107,6 +107,13 @@ def dropout(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {value!r}")
     return float(value)
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether tensor values can be read here: eager code on a plain tensor (not compiling, tracing,
+    or inside a fake/meta or other dispatch mode)."""
+    return (type(t) is torch.Tensor and t.device.type != "meta" and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing() and not torch._C._len_torch_dispatch_stack())
 
 
 def _host(t: torch.Tensor) -> list[int]:

@@ -43,8 +43,9 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         return_lse: also return the log-sum-exp: (B, H, S_q, 1) dense, (T, H) packed, fp32.
         validate: check the values of lengths and prefix sums (ValueError naming the argument).
             None (default): where it is free, i.e. on CPU tensors; True: also on the GPU, at the
-            cost of one host-device sync per call; False: never. Unchecked out-of-range values on
-            the GPU never read or write outside the tensors: their outputs are NaN.
+            cost of one host-device sync per call; False: never. Values are read only in eager code
+            on real tensors, never while compiling or tracing. Unchecked out-of-range values on the
+            GPU never read or write outside the tensors: their outputs are NaN.
 
     Example::
 
@@ -62,7 +63,7 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
     validate = arguments.validate_mode(validate)
     scale = arguments.scale(scale, q.shape[-1])
     dropout_p = arguments.dropout(dropout_p)
-    check_values = validate if validate is not None else q.device.type == "cpu"
+    check_values = (validate if validate is not None else q.device.type == "cpu") and arguments.readable(q)
     sinks32 = sinks.float() if sinks is not None else None
     # Compiled code cannot read the scope while tracing; its kernels read it when they run.
     fallback = torch.compiler.is_compiling() or not scope.strict()
