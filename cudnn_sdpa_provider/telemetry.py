@@ -53,7 +53,7 @@ def report_path_problem(path: str) -> str | None:
         return "it is a directory"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        return f"its directory {parent} does not exist"
+        return f"{parent} is not a directory" if os.path.exists(parent) else f"its directory {parent} does not exist"
     try:
         fd, probe = tempfile.mkstemp(dir=parent, prefix=".cudnn-sdpa-probe-")
     except OSError as exc:
