@@ -1,8 +1,8 @@
 """CPU tier: ``pip install .`` and ``pip install -e .`` into a fresh virtualenv, as a user does, then
 an unmodified script under ``CUDNN_SDPA_PROVIDER=1`` and the installed ``cudnn-sdpa`` command.
 
-The venv is made without pip and sees this environment's site-packages through a path file, so
-torch is not reinstalled; pip (this environment's, ``--python``) installs offline, without
+The venv is made without pip and sees this environment's site-packages (less this package)
+through a path file, so torch is not reinstalled; pip (this environment's, ``--python``) installs offline, without
 dependencies or build isolation. The source is a copy of the checkout, so the build writes
 nothing into it, and no PYTHONPATH points at the checkout: what runs is what was installed.
 """
@@ -53,10 +53,16 @@ def _fresh_venv(tmp_path: pathlib.Path) -> pathlib.Path:
     python = venv / "bin" / "python"
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    # this environment's packages (torch, setuptools, ...) after the venv's own: an installed copy
-    # of the package here is shadowed by the fresh one, and its .pth files are not processed
-    parents = dict.fromkeys([sysconfig.get_paths()["purelib"], *site.getsitepackages()])
-    (pathlib.Path(purelib) / "_csp_test_parent.pth").write_text("".join(f"{d}\n" for d in parents))
+    # this environment's packages (torch, setuptools, ...), seen through links that leave out this
+    # package (installed here in CI: an editable finder comes after sys.path and would lose to it)
+    parent = tmp_path / "parent-site"
+    parent.mkdir()
+    for d in dict.fromkeys([sysconfig.get_paths()["purelib"], *site.getsitepackages()]):
+        for entry in pathlib.Path(d).iterdir() if pathlib.Path(d).is_dir() else ():
+            if not (entry.name.startswith(("cudnn_sdpa_provider", "__editable__")) or entry.suffix == ".pth"
+                    or (parent / entry.name).exists()):
+                (parent / entry.name).symlink_to(entry)
+    (pathlib.Path(purelib) / "_csp_test_parent.pth").write_text(f"{parent}\n")
     return python
 
 
