@@ -6,8 +6,9 @@
         loss.backward()
     print(csp.report())            # path x served / fallback reasons
 
-Importing the package registers nothing with the dispatcher and reads no environment variable;
-the heavy modules load on first use.
+Importing the package registers nothing with the dispatcher, reads no environment variable and
+imports neither torch nor any model library; the heavy modules load on first use, and so do
+``csp.integrations`` and its submodules (``csp.integrations.transformers``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,23 @@ _LAZY = {
 }
 
 
+#: Submodules of ``integrations`` reachable as attributes once ``csp.integrations`` is used. Each
+#: imports torch but not its model library (that happens when the integration is used).
+_INTEGRATIONS = ("transformers",)
+
+
+def _integrations():
+    package = import_module(".integrations", __name__)
+    for name in _INTEGRATIONS:
+        import_module(f".integrations.{name}", __name__)
+    return package
+
+
 def __getattr__(name: str):
+    if name == "integrations":
+        value = _integrations()
+        globals()[name] = value
+        return value
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'cudnn_sdpa_provider' has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """``cudnn-sdpa`` / ``python -m cudnn_sdpa_provider``: the only module that prints.
 
-Commands: run (a script under the provider, report at exit), demo, doctor, bench. ``main(argv)``
-returns an exit code (named constants below); ``entry()`` is the console script.
+Commands: run (a script under the provider, report at exit), demo, doctor, bench; ``--version``.
+``main(argv)`` returns an exit code (named constants below); ``entry()`` is the console script.
+Parsing imports nothing heavy: ``--help`` and ``--version`` never import torch.
 """
 
 from __future__ import annotations
@@ -12,33 +13,60 @@ import os
 import runpy
 import sys
 
-__all__ = ["main", "entry", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_SELF_TEST_FAILED", "EXIT_NO_CUDA"]
+__all__ = ["main", "entry", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_SELF_TEST_FAILED", "EXIT_NO_CUDA",
+           "EXIT_REFUSED"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_SELF_TEST_FAILED = 3
+EXIT_USAGE = 2  # bad arguments, a missing script, an unwritable --report, --device cuda without CUDA
+EXIT_SELF_TEST_FAILED = 3  # doctor
 EXIT_NO_CUDA = 4  # bench: nothing to time without a CUDA GPU
+EXIT_REFUSED = 5  # --strict: a call would have fallen back (csp.FallbackError)
+
+_REFUSED_EPILOG = (f"Exit status {EXIT_REFUSED} when --strict refused a call that would have fallen back "
+                   "(one line on stderr: the path and the reasons).")
+
+
+class _Version(argparse.Action):
+    """``--version``: versions from package metadata, so parsing never imports torch."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .doctor import versions_line
+
+        print(versions_line())
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cudnn-sdpa", description="PyTorch attention on cuDNN graphs, with an audit.")
+    p.add_argument("--version", action=_Version, help="print the versions of this package, torch and the frontend")
     sub = p.add_subparsers(dest="command", metavar="{run,demo,doctor,bench}")
     sub.required = True
 
-    run = sub.add_parser("run", help="run a Python script under the provider and report at exit")
-    run.add_argument("--strict", action="store_true", help="raise FallbackError wherever a call would fall back")
+    run = sub.add_parser(
+        "run", help="run a Python script under the provider and report at exit",
+        epilog=f"The exit status is the script's; {EXIT_USAGE} for bad options, a missing script or a --report FILE "
+               f"that cannot be written (checked before the script starts). {_REFUSED_EPILOG}")
+    run.add_argument("--strict", action="store_true",
+                     help="stop at the first call that would fall back (csp.FallbackError; exit status 5)")
     run.add_argument("--report", metavar="FILE", help="also write the telemetry JSON to FILE")
     run.add_argument("script", help="the script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    demo = sub.add_parser("demo", help="train a small built-in transformer a few steps under the provider")
+    demo = sub.add_parser(
+        "demo", help="train a small built-in transformer a few steps under the provider",
+        epilog=f"Exit status {EXIT_USAGE} for bad options or --device cuda without CUDA. {_REFUSED_EPILOG}")
     demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    demo.add_argument("--strict", action="store_true", help="raise FallbackError on any fallback")
+    demo.add_argument("--strict", action="store_true",
+                      help="stop at the first call that would fall back (csp.FallbackError; exit status 5)")
     demo.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    doctor = sub.add_parser("doctor", help="versions, GPU, served features, coexistence, GPU self-test")
+    doctor = sub.add_parser("doctor", help="versions, GPU, served features, coexistence, GPU self-test",
+                            epilog=f"Exit status {EXIT_SELF_TEST_FAILED} when a GPU self-test failed.")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
     doctor.add_argument("--no-self-test", action="store_true", help="skip the GPU self-test")
     _bench_parser(sub)
@@ -68,14 +96,31 @@ def _bench_parser(sub) -> None:
     bench.add_argument("--list", action="store_true", help="list the cases and exit")
 
 
+def _refusal(prog: str, exc) -> str:
+    """A strict-mode refusal as one line: the error's first line (path, reason slugs) and its details."""
+    line = f"{prog}: refused: {str(exc).splitlines()[0]}"
+    return line + (f" ({'; '.join(exc.details)})" if exc.details else "")
+
+
 def _cmd_run(args) -> int:
-    from .activation import enable
-    from .diagnostics import report
-    from .telemetry import write_report
+    from .telemetry import report_path_problem
 
     if not os.path.exists(args.script):
         print(f"cudnn-sdpa run: no such script: {args.script}", file=sys.stderr)
         return EXIT_USAGE
+    problem = report_path_problem(args.report) if args.report is not None else None
+    if problem:  # said before the script runs, not after an hour of training
+        print(f"cudnn-sdpa run: --report {args.report}: cannot write there: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run_script(args)
+
+
+def _run_script(args) -> int:
+    from .activation import enable
+    from .diagnostics import report
+    from .errors import FallbackError
+    from .telemetry import write_report
+
     argv, path = sys.argv, list(sys.path)
     sys.argv = [args.script] + list(args.args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))  # as `python script.py` does
@@ -89,12 +134,17 @@ def _cmd_run(args) -> int:
         else:  # sys.exit("message"): Python prints the message and exits 1
             print(exc.code, file=sys.stderr)
             code = EXIT_FAILURE
+    except FallbackError as exc:
+        print(_refusal("cudnn-sdpa run", exc), file=sys.stderr)
+        code = EXIT_REFUSED
     finally:
-        if args.report:
-            write_report(args.report)  # while still enabled, like the environment-variable route
-        activation.remove()
-        sys.argv, sys.path[:] = argv, path
-        print("\ncudnn-sdpa-provider report:\n" + report(), file=sys.stderr)
+        try:
+            if args.report:
+                write_report(args.report)  # while still enabled, like the environment-variable route
+        finally:
+            activation.remove()
+            sys.argv, sys.path[:] = argv, path
+            print("\ncudnn-sdpa-provider report:\n" + report(), file=sys.stderr)
     return code
 
 
@@ -111,7 +161,16 @@ def _cmd_demo(args) -> int:
     if args.steps < 1:
         print(f"cudnn-sdpa demo: --steps must be >= 1, got {args.steps}", file=sys.stderr)
         return EXIT_USAGE
-    result = run_demo(steps=args.steps, device=args.device, strict=args.strict)
+    from .counters import stats
+    from .errors import FallbackError
+
+    before = stats()
+    try:
+        result = run_demo(steps=args.steps, device=args.device, strict=args.strict)
+    except FallbackError as exc:
+        print(_refusal("cudnn-sdpa demo", exc), file=sys.stderr)
+        print(report(stats() - before), file=sys.stderr)
+        return EXIT_REFUSED
     if args.json:
         print(json.dumps({"device": result["device"], "losses": result["losses"], **result["stats"].to_dict()},
                          indent=2))
@@ -123,7 +182,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
-    from .diagnostics import doctor_rows
+    from .doctor import doctor_rows
 
     rows = doctor_rows(run_self_test=not args.no_self_test)
     failed = any(r.ok is False for r in rows if r.section == "self-test")
@@ -237,7 +296,7 @@ def main(argv: list[str] | None = None, bench_peers: dict | None = None) -> int:
         return EXIT_USAGE if exc.code else EXIT_OK
     if args.command == "bench":
         return _cmd_bench(args, peers=bench_peers)
-    handler = {"run": _cmd_run, "demo": _cmd_demo, "doctor": _cmd_doctor, "bench": _cmd_bench}[args.command]
+    handler = {"run": _cmd_run, "demo": _cmd_demo, "doctor": _cmd_doctor}[args.command]
     return handler(args)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import platform
+import tempfile
 
-__all__ = ["report_data", "write_report"]
+__all__ = ["report_data", "write_report", "report_path_problem"]
 
 
 def report_data() -> dict:
@@ -39,11 +41,47 @@ def report_data() -> dict:
     return data
 
 
+def report_path_problem(path: str) -> str | None:
+    """Why the report cannot be written to ``path``, or None when it can. Leaves nothing behind.
+
+    Checked by creating and removing a temporary file beside ``path``: permission bits alone do
+    not say it (root ignores them; a read-only mount does not).
+    """
+    if not path:
+        return "the path is empty"
+    if os.path.isdir(path):
+        return "it is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory" if os.path.exists(parent) else f"its directory {parent} does not exist"
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".cudnn-sdpa-probe-")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def write_report(path: str) -> None:
-    """Write the telemetry JSON atomically (a partial file is never left behind)."""
-    data = report_data()
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    os.replace(tmp, path)
+    """Write the telemetry JSON atomically: a temporary file beside ``path``, renamed over it.
+
+    On any failure (an OSError naming the problem) neither a partial report nor the temporary
+    file is left behind.
+    """
+    text = json.dumps(report_data(), indent=2, sort_keys=True) + "\n"
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # 0o666: the umask applies, as to open()
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

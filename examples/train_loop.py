@@ -37,11 +37,24 @@ def train(steps: int, device: torch.device, batch: int = 2, seq: int = 64) -> li
     return losses
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a bad value is a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=3, help="training steps, >= 1 (default 3)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu")
     device = torch.device(args.device)
 
     before = csp.stats()

@@ -20,7 +20,7 @@ from cudnn_sdpa_provider.reasons import PATHS
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 HELP = """\
-usage: cudnn-sdpa [-h] {run,demo,doctor,bench} ...
+usage: cudnn-sdpa [-h] [--version] {run,demo,doctor,bench} ...
 
 PyTorch attention on cuDNN graphs, with an audit.
 
@@ -33,6 +33,7 @@ positional arguments:
 
 options:
   -h, --help            show this help message and exit
+  --version             print the versions of this package, torch and the frontend
 """
 
 RUN_HELP = """\
@@ -44,8 +45,12 @@ positional arguments:
 
 options:
   -h, --help     show this help message and exit
-  --strict       raise FallbackError wherever a call would fall back
+  --strict       stop at the first call that would fall back (csp.FallbackError; exit status 5)
   --report FILE  also write the telemetry JSON to FILE
+
+The exit status is the script's; 2 for bad options, a missing script or a --report FILE that
+cannot be written (checked before the script starts). Exit status 5 when --strict refused a call
+that would have fallen back (one line on stderr: the path and the reasons).
 """
 
 #: A small CPU script for ``run``: attention forward + backward, then exits with the code in argv[1].
@@ -74,8 +79,18 @@ def _fixed_width(monkeypatch):
 
 
 def test_exit_codes_are_distinct_named_constants():
-    codes = [cli.EXIT_OK, cli.EXIT_FAILURE, cli.EXIT_USAGE, cli.EXIT_SELF_TEST_FAILED, cli.EXIT_NO_CUDA]
-    assert codes == [0, 1, 2, 3, 4]
+    codes = [cli.EXIT_OK, cli.EXIT_FAILURE, cli.EXIT_USAGE, cli.EXIT_SELF_TEST_FAILED, cli.EXIT_NO_CUDA,
+             cli.EXIT_REFUSED]
+    assert codes == [0, 1, 2, 3, 4, 5]
+    assert {name for name in cli.__all__ if name.startswith("EXIT_")} == {
+        "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_SELF_TEST_FAILED", "EXIT_NO_CUDA", "EXIT_REFUSED"}
+
+
+def test_every_nonzero_exit_code_is_documented_in_ways_in():
+    page = (REPO / "docs" / "ways-in.md").read_text()
+    table = page.split("| exit code | meaning |")[1].split("\n\n")[0]
+    documented = {int(line.split("|")[1].strip().strip("`")) for line in table.splitlines()[2:] if line.startswith("|")}
+    assert documented == {getattr(cli, n) for n in cli.__all__ if n.startswith("EXIT_")}, table
 
 
 def test_help_text(capsys):
@@ -94,6 +109,20 @@ def test_usage_errors(argv, capsys):
     assert cli.main(argv) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert err.startswith("usage: cudnn-sdpa") and "error:" in err
+
+
+def test_version_names_the_three_versions_without_importing_torch():
+    from importlib.metadata import version
+
+    code = ("import sys; from cudnn_sdpa_provider import cli\n"
+            "try:\n    cli.main(['--version'])\nfinally:\n    print('torch imported:', 'torch' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    first, last = result.stdout.splitlines()
+    assert first.startswith(f"cudnn-sdpa-provider {csp.__version__} (torch {version('torch')}, "
+                            f"nvidia-cudnn-frontend {version('nvidia-cudnn-frontend')}, Python "), first
+    assert last == "torch imported: False"
 
 
 def test_help_and_python_dash_m_never_import_torch():
@@ -144,12 +173,27 @@ def test_run_missing_script_is_a_usage_error(tmp_path, capsys):
     assert f"cudnn-sdpa run: no such script: {missing}" in capsys.readouterr().err
 
 
-def test_run_strict_raises_out_of_main_and_still_reports(tmp_path, capsys):
+def test_run_strict_refusal_is_one_line_and_its_exit_code(tmp_path, capsys):
     script, report = write_script(tmp_path), tmp_path / "run.json"
-    with pytest.raises(csp.FallbackError, match="no_cuda"):
-        cli.main(["run", "--strict", "--report", str(report), script])
-    assert "cudnn-sdpa-provider report:" in capsys.readouterr().err
-    assert report.exists()
+    assert cli.main(["run", "--strict", "--report", str(report), script]) == cli.EXIT_REFUSED
+    err = capsys.readouterr().err
+    refusals = [line for line in err.splitlines() if "refused" in line]
+    assert len(refusals) == 1 and "Traceback" not in err, err
+    assert refusals[0].startswith("cudnn-sdpa run: refused: cudnn-sdpa-provider (strict): dense_fwd would fall back; "
+                                  "reasons: no_cuda"), err
+    assert "cudnn-sdpa-provider report:" in err
+    assert json.loads(report.read_text())["meta"]["enabled"] is True
+
+
+@pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file"])
+def test_run_unwritable_report_is_refused_before_the_script_runs(tmp_path, capsys, kind):
+    script = write_script(tmp_path, "open('ran', 'w').close()\n")
+    target = {"directory": tmp_path, "missing_dir": tmp_path / "nope" / "run.json",
+              "under_a_file": tmp_path / "script.py" / "run.json"}[kind]
+    assert cli.main(["run", "--report", str(target), script]) == cli.EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith(f"cudnn-sdpa run: --report {target}: cannot write there: "), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["script.py"], "the script did not run; nothing created"
 
 
 def test_run_script_exception_propagates_and_disables(tmp_path, capsys):
@@ -186,6 +230,16 @@ def test_demo_json_on_cpu(capsys):
     assert data["varlen_fwd"] == data["varlen_bwd"] == {"served": 0, "fallback": {}}
 
 
+def test_demo_loss_falls_and_is_deterministic_on_cpu():
+    from cudnn_sdpa_provider.demo import run_demo
+
+    state = torch.random.get_rng_state()
+    first, second = (run_demo(device="cpu")["losses"] for _ in range(2))
+    assert torch.equal(torch.random.get_rng_state(), state), "the caller's RNG state is left alone"
+    assert len(first) == 5 and first == second, (first, second)
+    assert first[-1] < first[0] - 1.0, f"the default 5 steps learn the corpus' byte statistics: {first}"
+
+
 def test_demo_table_on_cpu(capsys):
     assert cli.main(["demo", "--steps", "1", "--device", "cpu"]) == cli.EXIT_OK
     lines = capsys.readouterr().out.splitlines()
@@ -201,6 +255,18 @@ def test_demo_cuda_without_cuda_is_a_usage_error(capsys):
         pytest.skip("needs a machine without CUDA")
     assert cli.main(["demo", "--device", "cuda"]) == cli.EXIT_USAGE
     assert "--device cuda but CUDA is not available" in capsys.readouterr().err
+
+
+def test_demo_strict_on_cpu_is_one_refusal_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the demo is served")
+    assert cli.main(["demo", "--strict", "--device", "cpu", "--steps", "1"]) == cli.EXIT_REFUSED
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    first, *rest = err.splitlines()
+    assert first.startswith("cudnn-sdpa demo: refused: cudnn-sdpa-provider (strict): dense_fwd would fall back; "
+                            "reasons: no_cuda"), err
+    assert rest[0].split() == ["path", "served", "fallback", "fallback", "reasons"], "then the report table"
 
 
 def test_demo_zero_steps_is_a_usage_error(capsys):
@@ -228,7 +294,39 @@ def test_doctor_json_on_cpu(capsys):
     assert by_label[("device", "GPU")] == {"section": "device", "label": "GPU", "ok": False, "value": "none"}
     assert by_label[("features", "all")] == {"section": "features", "label": "all", "ok": False,
                                              "value": "no: no_cuda (no CUDA device)"}
-    assert not any(r["section"] == "self-test" for r in rows)
+    from importlib.metadata import version
+
+    assert by_label[("versions", "nvidia-cudnn-frontend")] == {
+        "section": "versions", "label": "nvidia-cudnn-frontend", "ok": True, "value": version("nvidia-cudnn-frontend")}
+    assert [r for r in rows if r["section"] == "self-test"] == [
+        {"section": "self-test", "label": "GPU self-test", "ok": None, "value": "skipped: --no-self-test"}]
+    assert [r["section"] for r in rows].count("coexistence") >= 1, "a coexistence row even when nothing is found"
+
+
+def test_doctor_self_test_without_cuda_says_skipped(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only expectations")
+    assert cli.main(["doctor", "--json"]) == cli.EXIT_OK
+    rows = json.loads(capsys.readouterr().out)
+    assert [r for r in rows if r["section"] == "self-test"] == [
+        {"section": "self-test", "label": "GPU self-test", "ok": None, "value": "skipped: no CUDA device"}]
+
+
+def test_doctor_coexistence_row_when_nothing_is_found(capsys, monkeypatch):
+    from cudnn_sdpa_provider import activation
+
+    monkeypatch.setattr(activation, "coexistence", lambda: [])
+    rows = doctor_json(capsys)
+    assert [r for r in rows if r["section"] == "coexistence"] == [
+        {"section": "coexistence", "label": "problems", "ok": True, "value": "none found"}]
+
+
+def test_doctor_says_when_the_startup_hook_is_missing(capsys, monkeypatch):
+    from cudnn_sdpa_provider import doctor
+
+    monkeypatch.setattr(doctor, "startup_hook_path", lambda: None)
+    (row,) = [r for r in doctor_json(capsys) if r["section"] == "startup"]
+    assert row["ok"] is False and "CUDNN_SDPA_PROVIDER does nothing here" in row["value"], row
 
 
 def test_doctor_reports_disabled_cudnn_sdp(capsys):

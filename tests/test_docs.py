@@ -28,10 +28,43 @@ def test_telemetry_page_lists_every_slug_and_path():
         assert f'"{path}"' in page
 
 
+PACKAGE = REPO / "cudnn_sdpa_provider"
+
+
+def _package_sources(exclude=("reasons.py", "docgen.py")) -> dict[str, str]:
+    """The package's code, by module path, without the slug catalog and the docs generator."""
+    return {str(p.relative_to(PACKAGE)): p.read_text() for p in sorted(PACKAGE.rglob("*.py")) if p.name not in exclude}
+
+
+def _named_module(text: str) -> pathlib.Path | None:
+    """The first module of the package that a ``docgen.OTHER_SOURCES`` entry names in backticks."""
+    import re
+
+    for token in re.findall(r"`([A-Za-z_][\w.]*)(?:\(\))?`", text):
+        parts = token.split(".")
+        for n in range(len(parts), 0, -1):
+            candidate = PACKAGE.joinpath(*parts[:n]).with_suffix(".py")
+            if candidate.is_file():
+                return candidate
+    return None
+
+
 def test_every_slug_has_a_source():
     emitted = {rule.slug for rule in support.RULES} | set(docgen.OTHER_SOURCES)
     assert set(CATALOG) <= emitted, f"slugs with no documented source: {sorted(set(CATALOG) - emitted)}"
     assert emitted <= set(CATALOG), f"sources for slugs not in CATALOG: {sorted(emitted - set(CATALOG))}"
+
+
+def test_every_slug_is_emitted_by_the_code_and_where_the_docs_say():
+    code = "\n".join(_package_sources().values())
+    never = sorted(slug for slug in CATALOG if f'"{slug}"' not in code and f"'{slug}'" not in code)
+    assert not never, f"slugs in the catalog that no module emits: {never}"
+    wrong = []
+    for slug, text in docgen.OTHER_SOURCES.items():
+        module = _named_module(text)
+        if module is not None and f'"{slug}"' not in module.read_text():
+            wrong.append(f"{slug}: docs say {module.relative_to(REPO)}, which never names it")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_documented_meta_keys_match_the_report():
@@ -101,3 +134,68 @@ def test_relative_links_in_docs_and_readme_resolve():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(root)} -> {target}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+# ------------------------------------------------------------- docs against the recorded runs
+
+
+RUN15 = REPO / "results" / "bench" / "2026-12-02-h200-run15.txt"
+
+
+def _bench_rows(path: pathlib.Path) -> dict[tuple[str, str, str], list[str]]:
+    """(case, mode, path) -> the cells of a recorded ``cudnn-sdpa bench`` table."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        cells = line.split()
+        if len(cells) >= 5 and cells[1] in ("fwd", "fwd_bwd"):
+            rows[(cells[0], cells[1], cells[2])] = cells[3:]
+    return rows
+
+
+def _md_table(page: str, header_start: str) -> list[list[str]]:
+    lines = page.split(header_start, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("|")]
+
+
+def test_performance_results_table_matches_the_recorded_run():
+    recorded = _bench_rows(RUN15)
+    table = _md_table((REPO / "docs" / "performance.md").read_text(), "| case | fwd: provider ms |")
+    checked = 0
+    for cells in table:
+        case = cells[0]
+        if not any(key[0] == case for key in recorded):
+            continue  # rows from other runs name their run in the case cell
+        for mode, (mine, theirs, ratio) in (("fwd", cells[1:4]), ("fwd_bwd", cells[4:7])):
+            if mine == "-":
+                continue
+            provider, native = recorded[(case, mode, "provider")], recorded[(case, mode, "native_cudnn")]
+            assert (mine, theirs) == (provider[0], native[0]), (case, mode, cells)
+            assert ratio.strip("*").split()[0] == provider[3], (case, mode, ratio, provider)
+        checked += 1
+    assert checked >= 8, f"only {checked} rows of docs/performance.md matched run 15's cases"
+
+
+def test_padded_batch_figures_in_the_docs_are_run_15s():
+    padded = _bench_rows(RUN15)
+    fwd = padded[("padded_b8_h32kv8_s4096_d128_causal", "fwd", "provider")]
+    both = padded[("padded_b8_h32kv8_s4096_d128_causal", "fwd_bwd", "provider")]
+    models = (REPO / "docs" / "models.md").read_text()
+    assert f"**{both[3]}**" in models and f"forward {fwd[3]}" in models, "docs/models.md quotes run 15"
+    assert "3.77x" not in models
+    readme = (REPO / "README.md").read_text()
+    assert f"**{both[3][:3]}x**" in readme  # 3.62x, rounded
+
+
+def test_ci_runs_exactly_the_readme_test_command_on_both_torch_versions():
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    readme = (REPO / "README.md").read_text()
+    assert f"```bash\n{ci}\n```" in readme, f"README does not show the CI command {ci!r}"
+    assert ci.endswith("nox -s tests")
+    noxfile = (REPO / "noxfile.py").read_text()
+    assert 'TORCH = ["2.13.0", "2.14.1"]' in noxfile and '@nox.parametrize("torch", TORCH)' in noxfile
+
+
+def test_docs_cite_no_document_outside_the_project():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "results").glob("*.md"))]
+    citing = [str(p.relative_to(REPO)) for p in pages if "FACTS" in p.read_text()]
+    assert not citing, f"cite a public source or a results/ file instead: {citing}"

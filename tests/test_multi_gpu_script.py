@@ -2,8 +2,8 @@
 
 CPU tier: two ranks on gloo; DDP and FSDP2 with the provider on equal the provider off, every
 attention call counted (falling back with ``no_cuda``), context parallelism skipped with its reason.
-GPU tier: one rank on one GPU (NCCL), where every check, context parallelism included (a ring of
-one), must pass with every call served. The 2-GPU run is `torchrun --nproc-per-node 2` on a 2-GPU host.
+The GPU tier's one-rank run is tests/gpu/test_multi_gpu_gpu.py; the 2-GPU run is
+`torchrun --nproc-per-node 2` on a 2-GPU host.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import os
 import pathlib
 import subprocess
 import sys
-
-import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "multi_gpu.py"
@@ -53,13 +51,3 @@ def test_bad_arguments_are_usage_errors(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu"], capture_output=True, text=True,
                             timeout=120, env={k: v for k, v in os.environ.items() if k != "RANK"})
     assert result.returncode == 2 and "run it under torchrun" in result.stderr
-
-
-@pytest.mark.gpu
-def test_one_gpu_rank_every_check_served(tmp_path):
-    result = _torchrun(tmp_path, 1, "--device", "cuda")
-    assert result.returncode == 0, result.stdout + result.stderr
-    (rank,) = _ranks(tmp_path, 1)
-    for kind in ("ddp", "fsdp2", "cp"):
-        assert rank["checks"][kind]["ok"], rank["checks"][kind]
-        assert "skipped" not in rank["checks"][kind]

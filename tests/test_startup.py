@@ -136,6 +136,90 @@ def test_log_info_logs_each_configuration_once(tmp_path):
     assert len(lines) == len(set(lines)), result.stderr
 
 
+#: Import orders a user's script may have: (first lines, the activations live after them). Each then
+#: imports torch (again) and makes two attention calls. "once per intent": the variable's activation,
+#: plus the script's own ``csp.enable()`` where it has one.
+ORDERS = {
+    "torch_first": ("import torch\n", 1),
+    "package_first_enable_before_torch": ("import cudnn_sdpa_provider as csp\ncsp.enable()\n", 2),
+    "package_first_then_torch": ("import cudnn_sdpa_provider as csp\nimport torch\n", 1),
+    "functional_api_before_torch": ("from cudnn_sdpa_provider import attention\n", 1),
+    "demo_module_before_torch": ("import cudnn_sdpa_provider.demo\n", 1),
+    "report_before_torch": ("import cudnn_sdpa_provider as csp\nprint(csp.report().splitlines()[0])\n", 1),
+}
+
+ORDER_TAIL = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.nn.functional as F
+    from cudnn_sdpa_provider import _startup, activation
+    q = torch.randn(2, 2, 16, 8, requires_grad=True)
+    for _ in range(2):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    print("live activations:", len(activation._stack))
+    print("hook left:", [type(f).__name__ for f in sys.meta_path if type(f).__module__ == _startup.__name__])
+    print("torch loader:", type(torch.__spec__.loader).__module__ == _startup.__name__,
+          type(torch.__loader__).__module__ == _startup.__name__)
+    """
+)
+
+
+def _no_cuda_report(path) -> dict:
+    data = json.loads(path.read_text())
+    assert data["meta"]["enabled"] is True
+    assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": 2}}, data
+    assert data["dense_bwd"] == {"served": 0, "fallback": {"no_cuda": 2}}, data
+    return data
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_every_import_order_enables_once_and_writes_the_report(tmp_path, order):
+    prelude, live = ORDERS[order]
+    report = tmp_path / "run.json"
+    result = run_script(tmp_path, prelude + ORDER_TAIL, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(report))
+    out = ok(result)
+    assert "not enabled" not in result.stderr and "skipped" not in result.stderr, result.stderr
+    assert f"live activations: {live}" in out, out
+    assert "hook left: []" in out, "the import hook removes itself once it has enabled"
+    assert "torch loader: False False" in out, "torch keeps its own loader"
+    _no_cuda_report(report)
+
+
+def test_cli_run_under_the_variable_enables_for_each_and_writes_both_reports(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(ORDER_TAIL)
+    env_report, run_report = tmp_path / "env.json", tmp_path / "run.json"
+    runner = ("import site, sys; site.addsitedir(sys.argv[1]); sys.argv = ['cudnn-sdpa'] + sys.argv[2:]; "
+              "from cudnn_sdpa_provider.cli import entry; entry()")
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copy(PTH, site_dir / PTH.name)
+    result = subprocess.run([sys.executable, "-c", runner, str(site_dir), "run", "--report", str(run_report),
+                             str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env=_env(CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(env_report)))
+    out = ok(result)
+    assert "not enabled" not in result.stderr, result.stderr
+    assert "live activations: 2" in out, "the variable's activation and the run's"
+    _no_cuda_report(env_report)
+    _no_cuda_report(run_report)
+
+
+@pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file"])
+def test_unwritable_report_path_warns_once_at_exit_and_leaves_nothing(tmp_path, kind):
+    target = {"directory": tmp_path, "missing_dir": tmp_path / "nope" / "run.json",
+              "under_a_file": tmp_path / "script.py" / "run.json"}[kind]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(target))
+    ok(result)
+    warnings = [line for line in result.stderr.splitlines() if "report not written" in line]
+    assert warnings == [line for line in result.stderr.splitlines() if line.strip()], result.stderr
+    assert len(warnings) == 1 and repr(str(target)) in warnings[0], result.stderr
+    assert "Traceback" not in result.stderr
+    after = sorted(p.name for p in tmp_path.iterdir())
+    assert after == sorted(set(before) | {"script.py", "site"}), "no temporary file left behind"
+
+
 def _installed_pth() -> pathlib.Path | None:
     dirs = {sysconfig.get_paths()["purelib"], *site.getsitepackages(), site.getusersitepackages()}
     for d in dirs:
