@@ -107,7 +107,8 @@ def _events(path: pathlib.Path):
 
 def _child_env() -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    paths = [env.get("CSP_UNDER_TEST", ""), str(ROOT), env.get("PYTHONPATH", "")]  # see test_lifecycles
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
 

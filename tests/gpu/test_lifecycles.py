@@ -60,7 +60,10 @@ def _script(name: str, body: str, tmp_path_factory) -> dict:
     if name not in _RESULTS:
         path = tmp_path_factory.mktemp("lifecycle") / f"{name}.py"
         path.write_text(PREAMBLE + textwrap.dedent(body))
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # CSP_UNDER_TEST=<dir> runs the scripts against another copy of the package (e.g. an older
+        # commit's, to show which items failed before a fix); the tests' helpers still come from REPO.
+        paths = [os.environ.get("CSP_UNDER_TEST", ""), str(REPO), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
         try:
             proc = subprocess.run([sys.executable, str(path)], cwd=REPO, env=env, capture_output=True, text=True,
                                   timeout=SCRIPT_TIMEOUT)
