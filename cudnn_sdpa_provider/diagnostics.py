@@ -1,4 +1,5 @@
-"""Data for humans: ``report()``, ``explain()``, and the doctor's rows and GPU self-test.
+"""Data for humans: ``report()``, ``explain()``, the doctor's feature rows and its GPU self-test
+(``doctor`` assembles the doctor's page).
 
 Everything returns data (strings, lists of tuples, dicts); only ``cli`` prints.
 """
@@ -15,7 +16,7 @@ import torch
 from . import activation, arguments, counters, machine, route, support
 from .reasons import Reason
 
-__all__ = ["report", "explain", "DoctorRow", "doctor_rows", "feature_rows", "self_test"]
+__all__ = ["report", "explain", "DoctorRow", "feature_rows", "self_test"]
 
 
 def report(snapshot: "counters.Stats | None" = None) -> str:
@@ -85,27 +86,6 @@ class DoctorRow(NamedTuple):
     label: str
     ok: bool | None  # None: informational
     value: str
-
-
-def _versions(caps: support.Capabilities) -> list[DoctorRow]:
-    from . import __version__
-
-    rows = [
-        DoctorRow("versions", "cudnn-sdpa-provider", None, __version__),
-        DoctorRow("versions", "python", None, platform.python_version()),
-        DoctorRow("versions", "torch", None, torch.__version__),
-        DoctorRow("versions", "CUDA (torch build)", None, str(torch.version.cuda)),
-        DoctorRow("versions", "cuDNN (torch)", None, str(torch.backends.cudnn.version())),
-        DoctorRow("versions", "nvidia-cudnn-frontend", caps.frontend_version is not None or not caps.cuda,
-                  str(caps.frontend_version)),
-        DoctorRow("versions", "cuDNN backend (frontend)", caps.cudnn_version is not None if caps.cuda else None,
-                  support.version_str(caps.cudnn_version)),
-    ]
-    gpu = f"{caps.device_name} (sm_{caps.compute_capability[0]}{caps.compute_capability[1]})" if caps.cuda else "none"
-    rows.append(DoctorRow("device", "GPU", caps.cuda, gpu))
-    if caps.unavailable:
-        rows.append(DoctorRow("device", "cuDNN usable", False, caps.unavailable))
-    return rows
 
 
 def _sample(kind: str, **overrides) -> support.Problem:
@@ -186,18 +166,4 @@ def self_test(device: int | None = None) -> list[DoctorRow]:
         ok = worst <= tol and served["dense_fwd"] == 1 and served["dense_bwd"] == 1
         how = "served" if served["dense_fwd"] == 1 and served["dense_bwd"] == 1 else "NOT served"
         rows.append(DoctorRow("self-test", name, ok, f"{how}, max rel err {worst:.1e} (tol {tol:.0e})"))
-    return rows
-
-
-def doctor_rows(run_self_test: bool = True) -> list[DoctorRow]:
-    caps = machine.capabilities()
-    rows = _versions(caps)
-    rows += feature_rows(caps) if caps.cuda else [DoctorRow("features", "all", False, "no: no_cuda (no CUDA device)")]
-    for slug, message in activation.coexistence():
-        rows.append(DoctorRow("coexistence", slug, False, message))
-    if run_self_test and caps.cuda and not caps.unavailable:
-        try:
-            rows += self_test()
-        except Exception as exc:  # the doctor reports, it does not crash
-            rows.append(DoctorRow("self-test", "run", False, f"{type(exc).__name__}: {exc}"))
     return rows

@@ -112,10 +112,10 @@ def _self_test(caps, run_self_test: bool) -> list:
 
 def doctor_rows(run_self_test: bool = True) -> list:
     """Every row of the doctor, in display order (``diagnostics.DoctorRow``)."""
-    from . import support
+    from . import machine
     from .diagnostics import DoctorRow, feature_rows
 
-    caps = support.capabilities()
+    caps = machine.capabilities()
     rows = _versions(caps) + _startup_hook()
     rows += feature_rows(caps) if caps.cuda else [DoctorRow("features", "all", False, "no: no_cuda (no CUDA device)")]
     rows += _coexistence()

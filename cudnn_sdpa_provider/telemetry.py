@@ -28,7 +28,8 @@ def report_data() -> dict:
         "device": None,
     }
     if torch.cuda.is_available():
-        from .support import capabilities, version_str
+        from .machine import capabilities
+        from .support import version_str
 
         caps = capabilities()
         meta.update(
@@ -37,6 +38,9 @@ def report_data() -> dict:
             cudnn=version_str(caps.cudnn_version),
             cudnn_frontend=caps.frontend_version,
         )
+    refused = stats().refused_dict()
+    if refused:  # strict mode: the calls it refused (also counted under fallback) and why
+        meta["refused"] = refused
     data["meta"] = meta
     return data
 

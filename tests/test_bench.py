@@ -384,8 +384,6 @@ def test_no_bench_module_prints():
             assert needle not in text, (path.name, needle)
 
 
-@pytest.mark.xfail(strict=True, reason="pyproject.toml's [tool.setuptools] packages does not list "
-                   "cudnn_sdpa_provider.bench yet: `pip install .` would leave the bench out (remove this mark then)")
 def test_pyproject_installs_the_bench_package():
     import pathlib
 
