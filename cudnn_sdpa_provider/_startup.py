@@ -52,7 +52,7 @@ def activate(mode: str) -> None:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
             logger.addHandler(handler)
-    enable(strict=(mode == "strict"))
+    enable(strict=(mode == "strict"), process_wide=True)  # the whole program, every thread
     path = env.report_path()
     if path:
         atexit.register(_report_at_exit, path)

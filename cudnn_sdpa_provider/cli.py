@@ -125,7 +125,7 @@ def _run_script(args) -> int:
     sys.argv = [args.script] + list(args.args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))  # as `python script.py` does
     code = EXIT_OK
-    activation = enable(strict=args.strict)
+    activation = enable(strict=args.strict, process_wide=True)  # the whole script, every thread
     try:
         runpy.run_path(args.script, run_name="__main__")
     except SystemExit as exc:

@@ -56,7 +56,7 @@ OTHER_SOURCES = {
     "no_cuda": "also the CPU kernels of the `cudnn_sdpa::*` ops (`csp.attention` on CPU tensors, "
                "which run the composite) and the counted CPU SDPA kernel.",
     "cudnn_unavailable": "also `graphs` when nvidia-cudnn-frontend cannot be imported at graph-build time.",
-    "graph_not_supported": "`route.call`: cuDNN rejected the graph while validating or building it.",
+    "graph_not_supported": "`graphs`: cuDNN rejected the graph while validating or building it (`route.call` counts it).",
     "softcap": "`integrations.transformers`: a layer with attention logit soft-capping (Gemma 2).",
     "rank": "`overrides`: an F.sdpa call on CUDA tensors that are not 4-D (PyTorch's math route).",
     "deterministic_workspace": "`support.reasons()` after every rule passed: a deterministic backward on "

@@ -177,12 +177,14 @@ def test_run_strict_refusal_is_one_line_and_its_exit_code(tmp_path, capsys):
     script, report = write_script(tmp_path), tmp_path / "run.json"
     assert cli.main(["run", "--strict", "--report", str(report), script]) == cli.EXIT_REFUSED
     err = capsys.readouterr().err
-    refusals = [line for line in err.splitlines() if "refused" in line]
+    refusals = [line for line in err.splitlines() if line.startswith("cudnn-sdpa run: refused")]
     assert len(refusals) == 1 and "Traceback" not in err, err
     assert refusals[0].startswith("cudnn-sdpa run: refused: cudnn-sdpa-provider (strict): dense_fwd would fall back; "
                                   "reasons: no_cuda"), err
-    assert "cudnn-sdpa-provider report:" in err
-    assert json.loads(report.read_text())["meta"]["enabled"] is True
+    assert "cudnn-sdpa-provider report:" in err and "no_cuda=1 (refused 1)" in err, "the audit shows the refusal"
+    data = json.loads(report.read_text())
+    assert data["meta"]["enabled"] is True
+    assert data["dense_fwd"]["fallback"] == {"no_cuda": 1} and data["meta"]["refused"] == {"dense_fwd": {"no_cuda": 1}}
 
 
 @pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file"])

@@ -153,11 +153,11 @@ ORDER_TAIL = textwrap.dedent(
     import sys
     import torch
     import torch.nn.functional as F
-    from cudnn_sdpa_provider import _startup, activation
+    from cudnn_sdpa_provider import _startup, scope
     q = torch.randn(2, 2, 16, 8, requires_grad=True)
     for _ in range(2):
         F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    print("live activations:", len(activation._stack))
+    print("live activations:", len(scope.live()))
     print("hook left:", [type(f).__name__ for f in sys.meta_path if type(f).__module__ == _startup.__name__])
     print("torch loader:", type(torch.__spec__.loader).__module__ == _startup.__name__,
           type(torch.__loader__).__module__ == _startup.__name__)
