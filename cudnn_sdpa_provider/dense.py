@@ -122,8 +122,8 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        found = bd.store(signature, _bind_forward(q, k, v, bias, sinks, seq_len_q, scale, window, bottom_right,
-                                                  dropout_p, compute_lse, rng_dump))
+        found = bd.store(signature, _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window,
+                                                  bottom_right, dropout_p, compute_lse, rng_dump))
     if found.fix:
         q, k, v = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
     (size, stride), (lse_size, _) = found.outputs
@@ -141,7 +141,8 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
     return out, lse
 
 
-def _bind_forward(q, k, v, bias, sinks, seq_len_q, scale, window, bottom_right, dropout_p, compute_lse, rng_dump):
+def _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p, compute_lse,
+                  rng_dump):
     b, h, s_q, _ = q.shape
     repair = tuple(not layout.usable(t) for t in (q, k, v))
     qr, kr, vr = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), repair))
@@ -155,7 +156,7 @@ def _bind_forward(q, k, v, bias, sinks, seq_len_q, scale, window, bottom_right, 
                  bias=bd.desc(bias) if bias is not None else None, padded=seq_len_q is not None,
                  dropout_p=float(dropout_p), rng_dump=rng_dump is not None and dropout_p > 0.0)
     uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ())
-    uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, (lse, lse), dropout_p))
+    uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, philox, dropout_p))
     uids += (UID.RNG_DUMP,) if rng_dump is not None else ()
     dead = seq_len_q is not None or rows.dead_rows(s_q, k.shape[2], window, bottom_right) is not None
     return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
@@ -181,8 +182,8 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        found = bd.store(signature, _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, scale,
-                                                   window, bottom_right, dropout_p, deterministic))
+        found = bd.store(signature, _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox,
+                                                   scale, window, bottom_right, dropout_p, deterministic))
     qr, kr, vr, outr, do, lse_in = q, k, v, out, grad_out, lse
     if found.fix:
         fix_q, fix_k, fix_v, fix_o, fix_do, fix_lse = found.repair
@@ -201,8 +202,8 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
     return dq, dk, dv, dsinks
 
 
-def _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, scale, window, bottom_right, dropout_p,
-                   deterministic):
+def _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox, scale, window, bottom_right,
+                   dropout_p, deterministic):
     repair = tuple(not layout.usable(t) for t in (q, k, v, out))
     qr, kr, vr, outr = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v, out), repair))
     fix_do = not layout.usable(grad_out)
@@ -218,7 +219,7 @@ def _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, scale, w
                  bias=bd.desc(bias) if bias is not None else None, padded=seq_len_q is not None,
                  dropout_p=float(dropout_p), deterministic=bool(deterministic))
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV)
-    uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, (lse, lse), dropout_p))
+    uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, philox, dropout_p))
     uids += (UID.DSINK,) if sinks is not None else ()
     dead = rows.dead_rows(q.shape[2], k.shape[2], window, bottom_right) is not None
     repair += (fix_do, fix_lse)

@@ -66,9 +66,18 @@ class FakeGraph:
         bias = self._dense(b[UID.BIAS], k.bias) if k.bias is not None else None
         return lens, sinks, bias
 
+    def _dropout_operands(self, b) -> bool:
+        """With dropout the fake checks the Philox operands' form and computes nothing."""
+        if not self.key.dropout_p:
+            return False
+        assert b[UID.SEED].numel() == 1 and b[UID.OFFSET].numel() == 1, "seed/offset are single elements"
+        assert b[UID.SEED].dtype == b[UID.OFFSET].dtype == torch.int64
+        return True
+
     def _forward(self, b):
         k = self.key
-        assert not (k.dropout_p or k.rng_dump), "the fake has no dropout"
+        if self._dropout_operands(b):
+            return
         (lq, lk), sinks, bias = self._options(b)
         if k.ragged:
             return self._forward_ragged(b, lq, lk, sinks)
@@ -100,7 +109,8 @@ class FakeGraph:
 
     def _backward(self, b):
         k = self.key
-        assert not k.dropout_p, "the fake has no dropout"
+        if self._dropout_operands(b):
+            return
         (lq, lk), sinks, bias = self._options(b)
         if k.ragged:
             return self._backward_ragged(b, lq, lk, sinks)

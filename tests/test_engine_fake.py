@@ -97,6 +97,17 @@ def test_padded_dense_out_of_range_lengths_poison_their_batch_row(fake):
     assert (out[1, :, 5:] == 0).all(), "padded rows are 0"
 
 
+def test_dropout_operands_reach_the_graph_as_single_elements(fake):
+    """The Philox pair is bound at the uids the graph declares, forward and backward (values are the
+    GPU tier's business: the fake computes nothing with dropout)."""
+    q, k, v = _dense_views("bshd")
+    philox = torch.tensor([7, 0, 11, 0], dtype=torch.int64)
+    out, lse = dense.forward(q, k, v, scale=0.3, dropout_p=0.2, philox=(philox[0], philox[2]))
+    dense.backward(torch.randn_like(out), q, k, v, out, lse, scale=0.3, dropout_p=0.2, philox=(philox[0], philox[2]))
+    calls = [c for g in fake for c in g.calls]
+    assert len(calls) == 2 and all(int(c[UID.SEED]) == 7 and int(c[UID.OFFSET]) == 11 for c in calls)
+
+
 # ------------------------------------------------------------------------------------- varlen
 
 LENS = (5, 0, 9, 3)
