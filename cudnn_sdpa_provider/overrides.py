@@ -43,20 +43,16 @@ def _scale(scale, q) -> float:
 
 #: is_causal -> the FlashAttention window, as ``support.canonical_window`` folds it (computed once).
 _WINDOWS = {flag: support.canonical_window(flag, None) for flag in (False, True)}
-_UNUSED_PHILOX: dict = {}
 
 
 def _unused_philox(device: torch.device) -> tuple:
-    """Elements 0 and 2 (16-byte aligned, as inductor asserts of outputs) of one int64 buffer per
-    device: the philox seed/offset outputs when there is no dropout. The op must return them and
-    nothing reads them; the two views are made once. Made outside inference mode, so a first call
-    under ``torch.inference_mode()`` leaves no inference tensor that training could not save."""
-    found = _UNUSED_PHILOX.get(device)
-    if found is None:
-        with torch.inference_mode(False):
-            buf = torch.zeros(4, dtype=torch.int64, device=device)
-            found = _UNUSED_PHILOX.setdefault(device, (buf[0], buf[2]))
-    return found
+    """The philox seed/offset outputs of a call without dropout: the op must return them and nothing
+    reads them. Fresh per call, never cached: a tensor kept across calls would be made inside
+    whatever context the first call ran in (an inference tensor under ``torch.inference_mode()``,
+    which training then cannot save; a block of a CUDA-graph pool under ``torch.compile(mode=
+    "reduce-overhead")``, which cudagraph trees reject as an untracked allocation). Fresh blocks are
+    16-byte aligned, as inductor asserts of outputs."""
+    return (torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device))
 
 
 def _mark(t, record: markers.Record) -> None:

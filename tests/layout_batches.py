@@ -20,9 +20,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
+if __name__ == "__main__" and os.environ.get("CSP_UNDER_TEST"):
+    # ``python -m`` puts the repository first on sys.path; the package under test goes before it.
+    sys.path.insert(0, os.environ["CSP_UNDER_TEST"])
 
-from tests.layout_runner import run_config
+import torch  # noqa: E402
+
+from tests.layout_runner import run_config  # noqa: E402
 
 __all__ = ["BatchResult", "run_batch", "log_line", "main", "CONTEXT_LOST"]
 

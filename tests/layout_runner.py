@@ -252,6 +252,14 @@ def _varlen_kwargs(cfg, params: set) -> dict | None:
     return kw
 
 
+def _vector_aligned(t) -> bool:
+    """Whether FlashAttention's 16-byte vector loads can read ``t``: an aligned base and outer strides.
+    torch's varlen_attn does not check this before launching it (seen on the H200: a head-dim slice of
+    width D + 4 and a base one element in both ended the process with 'misaligned address')."""
+    item = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * item) % 16 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+
+
 def _varlen_native(cfg, ops):
     """varlen_attn on the same operands (FlashAttention: bottom-right alignment), or None where it
     cannot say the call: no CUDA, an argument this torch lacks, top-left alignment of unequal lengths."""
@@ -280,6 +288,8 @@ def _varlen_case(cfg, ops) -> Case:
 
     if cfg["api"] == "varlen_attn":
         call, rule = native, lambda: _varlen_rule(cfg, ops)
+        if not all(_vector_aligned(t) for t in (ops.q, ops.k, ops.v)):
+            native = None  # FlashAttention would fault (CUDA "misaligned address", fatal to the process)
     else:
         def call():
             got = attention(ops)

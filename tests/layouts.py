@@ -127,8 +127,9 @@ def _solo(src: _Source, spec, sizes: dict, logical: str, offset: int, wide: int,
     return t.expand([sizes[c] for c in logical]) if expanded else t
 
 
-def _grouped(src: _Source, cfg, prefix: list, to_logical, offset: int):
-    """q, k, v (None where the group does not build it) from one buffer of shape (*prefix, ...)."""
+def _grouped(src: _Source, cfg, prefix: list, kv_prefix: list, to_logical, offset: int):
+    """q, k, v (None where the group does not build it) from one buffer of shape (*prefix, ...);
+    ``kv_prefix`` is the keys' (tokens or batch and S_kv), for the group that builds k and v only."""
     group, d, h_q, h_kv = cfg["group"], cfg["d"], cfg["h_q"], cfg["h_kv"]
     n = len(prefix)
     if group == "fused3":
@@ -140,7 +141,7 @@ def _grouped(src: _Source, cfg, prefix: list, to_logical, offset: int):
         heads = (h_q, h_kv, h_kv)
         parts = [p.view(prefix + [h, d]) for p, h in zip(flat.split([h * d for h in heads], -1), heads)]
     elif group == "kv_fused2":
-        parts = (None,) + tuple(src.buffer(prefix + [2, h_kv, d], offset).unbind(n))
+        parts = (None,) + tuple(src.buffer(kv_prefix + [2, h_kv, d], offset).unbind(len(kv_prefix)))
     else:
         return None, None, None
     return tuple(None if p is None else to_logical(p) for p in parts)
@@ -163,9 +164,10 @@ def build(cfg: dict, device) -> Operands:
     src = _Source(cfg["seed"], DTYPES[cfg["dtype"]], device)
     solo, logical, sizes = (VARLEN_SOLO, "thd", _varlen_sizes) if varlen else (DENSE_SOLO, "bhsd", _dense_sizes)
     prefix = [sum(cfg["lens_q"])] if varlen else [cfg["b"], cfg["s_q"]]
+    kv_prefix = [sum(cfg["lens_kv"])] if varlen else [cfg["b"], cfg["s_kv"]]
     to_logical = (lambda x: x) if varlen else (lambda x: x.transpose(1, 2))
     offsets = cfg["offsets"]
-    grouped = _grouped(src, cfg, prefix, to_logical, offsets[0])
+    grouped = _grouped(src, cfg, prefix, kv_prefix, to_logical, offsets[0])
     made = {}
     for i, name in enumerate("qkv"):
         made[name] = grouped[i]
