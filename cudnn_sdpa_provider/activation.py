@@ -47,6 +47,7 @@ def enable(strict: bool = False, *, process_wide: bool = False) -> Activation:
             _sync()
         except BaseException:
             scope.remove(activation)
+            _sync()  # undo what the failed sync applied (hooks, priority) if nothing else is live
             raise
     return activation
 

@@ -21,10 +21,15 @@ activation ends.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 from torch.nn.attention import SDPBackend
 
 __all__ = ["PriorityGuard", "initialize_default_order"]
+
+log = logging.getLogger("cudnn_sdpa_provider")
 
 _CUDNN = int(SDPBackend.CUDNN_ATTENTION)
 
@@ -46,45 +51,57 @@ def initialize_default_order(initializing: bool = False) -> bool:
 
 class PriorityGuard:
     """Puts cuDNN first in PyTorch's SDPA priority on ``apply()``; ``restore()`` puts back exactly
-    the order PyTorch would have had (its lazily chosen default included)."""
+    the order PyTorch would have had (its lazily chosen default included). Thread-safe; the
+    callback it leaves for CUDA's initialization never raises (it would break CUDA for the process)."""
 
     def __init__(self):
-        self._saved: list[int] | None = None
-        self._changed = False
+        self._lock = threading.RLock()
+        self._saved: list[int] | None = None  # the order to restore
+        self._applied: list[int] | None = None  # the order set by apply(), None when unchanged
         self._waiting = False
 
     def apply(self) -> None:
-        if initialize_default_order() or not torch.cuda.is_available():
+        with self._lock:
+            if initialize_default_order() or not torch.cuda.is_available():
+                self._take()
+                return
+            # CUDA is not initialized: no selection has run yet; decide again when it initializes.
             self._take()
-        else:  # CUDA not initialized yet: no selection has run; decide when it initializes
-            self._saved, self._changed = _order(), False
-            self._prioritise()
-            if not self._waiting and hasattr(torch.cuda, "_lazy_call"):
-                self._waiting = True
-                torch.cuda._lazy_call(self._on_cuda_init)
+            wait = not self._waiting and hasattr(torch.cuda, "_lazy_call")
+            self._waiting = self._waiting or wait
+        if wait:  # outside the lock: _lazy_call runs the callback at once if CUDA initialized meanwhile
+            torch.cuda._lazy_call(self._on_cuda_init)
 
     def _take(self) -> None:
-        self._saved = _order()
-        self._changed = False
-        self._prioritise()
-
-    def _prioritise(self) -> None:
-        order = _order()
+        self._saved, self._applied = _order(), None
+        order = self._saved
         if order and order[0] != _CUDNN:
-            torch._C._set_sdp_priority_order([_CUDNN] + [b for b in order if b != _CUDNN])
-            self._changed = True
+            self._applied = [_CUDNN] + [b for b in order if b != _CUDNN]
+            torch._C._set_sdp_priority_order(self._applied)
 
     def _on_cuda_init(self) -> None:
         """At CUDA initialization, while active: retake the snapshot with PyTorch's real default."""
-        self._waiting = False
-        if self._saved is None:
-            return
-        if self._changed:  # put back the static order so PyTorch's default choice applies to it
-            torch._C._set_sdp_priority_order(self._saved)
-        initialize_default_order(initializing=True)
-        self._take()
+        try:
+            with self._lock:
+                self._waiting = False
+                if self._saved is None:
+                    return
+                if self._applied is not None:  # the static order back, so PyTorch's default choice applies to it
+                    torch._C._set_sdp_priority_order(self._saved)
+                initialize_default_order(initializing=True)
+                self._take()
+        except Exception as exc:  # pragma: no cover - never break CUDA's initialization
+            log.warning("cudnn-sdpa-provider: could not read PyTorch's default SDPA priority: %r", exc)
 
     def restore(self) -> None:
-        if self._saved is not None and self._changed:
-            torch._C._set_sdp_priority_order(self._saved)
-        self._saved, self._changed = None, False
+        with self._lock:
+            if self._saved is not None and self._applied is not None:
+                current = _order()
+                if current == self._applied:
+                    torch._C._set_sdp_priority_order(self._saved)
+                elif current and current[0] == _CUDNN:  # changed since (a user's priority context): keep
+                    # their order, with only cuDNN back where it was
+                    others = [b for b in current if b != _CUDNN]
+                    others.insert(self._saved.index(_CUDNN), _CUDNN)
+                    torch._C._set_sdp_priority_order(others)
+            self._saved, self._applied = None, None

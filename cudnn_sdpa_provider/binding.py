@@ -23,7 +23,7 @@ import torch
 from . import graphs, layout
 from .graphs import Desc
 
-__all__ = ["tensor_key", "Binding", "lookup", "store", "desc", "run", "outputs", "copy_back"]
+__all__ = ["tensor_key", "Binding", "lookup", "store", "small_operand", "desc", "run", "outputs", "copy_back"]
 
 
 def tensor_key(t):
@@ -54,6 +54,16 @@ def lookup(signature: tuple) -> Binding | None:
 def store(signature: tuple, binding: Binding) -> Binding:
     graphs.fast_put(signature, binding)
     return binding
+
+
+def small_operand(t: torch.Tensor, shape: tuple, dtype=None) -> torch.Tensor:
+    """A small option tensor (lengths, sink logits) as the graph declares it: ``shape``, packed
+    strides, ``dtype``, 16-byte-aligned base; ``t`` itself when it already is, else a fresh copy
+    (a strided or offset view, e.g. one column of a (B, 2) tensor, would be read wrongly)."""
+    dtype = t.dtype if dtype is None else dtype
+    if t.dtype == dtype and t.is_contiguous() and t.data_ptr() % layout.ALIGN == 0:
+        return t.view(shape)
+    return torch.empty(shape, dtype=dtype, device=t.device).copy_(t.reshape(shape))
 
 
 def desc(t: torch.Tensor) -> Desc:

@@ -11,9 +11,9 @@ Conventions:
   window: FlashAttention (left, right), -1 unbounded; bottom_right aligns the diagonal to the end
   of each sequence (per sequence when lengths are given).
   padded: seq_len_q / seq_len_kv (B,) int32 on the device. Rows of out past seq_len_q are 0; rows of
-  dq past seq_len_q and of dk/dv past seq_len_kv are 0. Lengths outside [0, S] make the forward's
-  output NaN in their batch row (poisoned, never clamped; they never read outside the tensors,
-  whose dims bound every read).
+  dq past seq_len_q and of dk/dv past seq_len_kv are 0. A batch row whose lengths are outside
+  [0, S] is given lengths 0 (cuDNN computes nothing for it) and its output is NaN: never clamped,
+  never read past the tensors.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def bias_operand(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.
 def _lengths(t: torch.Tensor, b: int) -> torch.Tensor:
     if t.dtype != torch.int32:
         raise TypeError(f"sequence lengths must be int32, got {t.dtype}")
-    return t.reshape(b, 1, 1, 1)
+    return bd.small_operand(t, (b, 1, 1, 1))
 
 
 def _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p):
@@ -81,13 +81,23 @@ def _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p):
     if seq_len_q is not None:
         pairs += [(UID.SEQ_Q, _lengths(seq_len_q, b)), (UID.SEQ_KV, _lengths(seq_len_kv, b))]
     if sinks is not None:
-        pairs.append((UID.SINK, sinks.reshape(1, h, 1, 1).float().contiguous()))
+        pairs.append((UID.SINK, bd.small_operand(sinks, (1, h, 1, 1), torch.float32)))
     if dropout_p > 0.0:
         pairs += [(UID.SEED, philox[0].reshape(1, 1, 1, 1)), (UID.OFFSET, philox[1].reshape(1, 1, 1, 1))]
     return pairs
 
 
-def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv) -> None:
+def _safe_lengths(seq_len_q, seq_len_kv, s_q: int, s_kv: int):
+    """(lengths cuDNN is given, bad): a batch row whose lengths are outside [0, S] is given lengths 0,
+    so cuDNN computes nothing for it, and ``bad`` (B, 1, 1, 1) makes its output NaN afterwards."""
+    if seq_len_q is None:
+        return None, None, None
+    bad = rows.bad_lengths(seq_len_q, seq_len_kv, s_q, s_kv)
+    flat = bad.view(-1)
+    return torch.where(flat, 0, seq_len_q), torch.where(flat, 0, seq_len_kv), bad
+
+
+def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv, bad) -> None:
     """Zero the rows that are 0 by definition and, in one pass, make NaN the batch rows whose
     lengths are out of range."""
     if not b.extra["dead"]:
@@ -96,7 +106,6 @@ def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv
     if seq_len_q is None:
         out.masked_fill_(dead, 0)
         return
-    bad = rows.bad_lengths(seq_len_q, seq_len_kv, out.shape[2], s_kv)
     value = torch.where(bad, float("nan"), 0.0).to(out.dtype)  # (B, 1, 1, 1)
     torch.where(dead | bad, value, out, out=out)
 
@@ -130,14 +139,15 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
     out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     out_buf = out if found.direct[0] else torch.empty(size, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_size, dtype=torch.float32, device=q.device)
+    safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
     buffers = (q, k, v, out_buf, lse) if compute_lse else (q, k, v, out_buf)
-    buffers += _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p)
-    if rng_dump is not None:
+    buffers += _extras(q, bias, safe_q, safe_kv, sinks, philox, dropout_p)
+    if rng_dump is not None and dropout_p > 0.0:
         buffers += (rng_dump,)
     bd.run(found, buffers, q.device.index)
     if out_buf is not out:
         out.copy_(out_buf)
-    _fix_rows(out, found, window, bottom_right, seq_len_q, seq_len_kv, k.shape[2])
+    _fix_rows(out, found, window, bottom_right, seq_len_q, seq_len_kv, k.shape[2], bad)
     return out, lse
 
 
@@ -157,7 +167,7 @@ def _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom
                  dropout_p=float(dropout_p), rng_dump=rng_dump is not None and dropout_p > 0.0)
     uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ())
     uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, philox, dropout_p))
-    uids += (UID.RNG_DUMP,) if rng_dump is not None else ()
+    uids += (UID.RNG_DUMP,) if rng_dump is not None and dropout_p > 0.0 else ()
     dead = seq_len_q is not None or rows.dead_rows(s_q, k.shape[2], window, bottom_right) is not None
     return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
                    outputs=((tuple(out.shape), out.stride()), ((b, h, s_q, 1), lse.stride())),
@@ -191,8 +201,9 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         do = torch.empty_like(outr).copy_(grad_out) if fix_do else grad_out  # dO matched to the (repaired) O
         lse_in = lse.contiguous() if fix_lse else lse  # cuDNN < 9.26 misreads non-packed stats
     (dq, dk, dv), bufs = bd.outputs(found, (q.dtype, k.dtype, v.dtype), q.device)
+    safe_q, safe_kv, _ = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
     buffers = (qr, kr, vr, outr, do, lse_in, bufs[0], bufs[1], bufs[2])
-    buffers += _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p)
+    buffers += _extras(q, bias, safe_q, safe_kv, sinks, philox, dropout_p)
     if sinks is not None:  # cuDNN writes dSink_token; the gradient itself is computed below
         buffers += (torch.empty((1, q.shape[1], 1, 1), dtype=torch.float32, device=q.device),)
     bd.run(found, buffers, q.device.index)

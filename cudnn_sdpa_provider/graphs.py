@@ -206,9 +206,13 @@ def set_capacity(n: int) -> None:
 
 def fast_get(signature: tuple):
     """The binding (``binding.Binding``) for a call signature, or None. Bindings hold their built
-    graph; the cache is bounded like the graph cache, so an evicted graph is never kept alive by it
-    for long."""
-    return _state()["fast"].get(signature)
+    graph; the cache is a bounded LRU like the graph cache, so an evicted graph is never kept alive
+    by it for long."""
+    fast = _state()["fast"]
+    found = fast.get(signature)
+    if found is not None:
+        fast.move_to_end(signature)
+    return found
 
 
 def fast_put(signature: tuple, entry) -> None:
@@ -226,22 +230,22 @@ def plan(key) -> Plan:
     found = plans.get(key)
     if found is not None:
         plans.move_to_end(key)
-        if isinstance(found, NotSupportedError):
-            raise found
+        if isinstance(found, tuple):  # a rejection: a fresh exception each time (a reused one would
+            raise NotSupportedError(*found)  # collect every raising call's frames in its traceback)
         return found
     try:
         built = _build(key, _handle(key.device))
     except NotSupportedError as exc:
-        built = exc  # remember rejections too: a rejected key is not rebuilt on every call
+        built = (exc.reason, exc.detail)  # remember rejections too: not rebuilt on every call
     with _builds_lock:
-        _builds["rejected" if isinstance(built, NotSupportedError) else "built"] += 1
-    if not isinstance(built, NotSupportedError):
+        _builds["rejected" if isinstance(built, tuple) else "built"] += 1
+    if not isinstance(built, tuple):
         counters.note_plan(describe(key), built.name)
     plans[key] = built
     while len(plans) > state["capacity"]:
         plans.popitem(last=False)
-    if isinstance(built, NotSupportedError):
-        raise built
+    if isinstance(built, tuple):
+        raise NotSupportedError(*built)
     return built
 
 
@@ -282,6 +286,10 @@ def execute(p: Plan, uids: tuple, buffers: tuple, device: int, stream: int) -> N
     1.32's ``set_stream`` skips an unchanged stream itself; 1.28's does not). Frontends 1.31+ take
     the buffers in order with ``tensor_uids``, which skips their mapping normalisation; older ones
     get the mapping. A binding keeps ``uids`` fixed, so order and tensors always correspond."""
+    if device is not None and torch.cuda.is_initialized() and torch.cuda.current_device() != device:
+        # Python kernels get no device guard from the dispatcher
+        with torch.cuda.device(device):
+            return execute(p, uids, buffers, device, stream)
     state = _state()
     handle = _handle(device)
     if state["streams"].get(device) != stream:

@@ -50,9 +50,9 @@ def _forget(key: int) -> None:
 def mark(t: torch.Tensor, record: Record) -> None:
     storage = t.untyped_storage()
     key = id(storage)
-    ref = weakref.ref(storage, lambda _dead, key=key: _forget(key))
-    with _lock:
-        _records[key] = (record, ref)
+    entry = (record, weakref.ref(storage, lambda _dead, key=key: _forget(key)))
+    with _lock:  # nothing is allocated under the lock: a GC there could run _forget, which takes it
+        _records[key] = entry
 
 
 def lookup(t: torch.Tensor | None) -> Record | None:

@@ -1,8 +1,10 @@
 """Custom ops ``cudnn_sdpa::{dense,varlen}_{fwd,bwd}``: autograd, fake kernels, CPU kernels.
 
 Every kernel hands its call to ``route``: CUDA kernels serve it on our cuDNN graphs (``dense``,
-``packed``) or, with a reason, run the composite in ``reference``; ``fallback=False`` (strict)
-refuses instead with ``FallbackError``. CPU kernels always run the composite (reason ``no_cuda``);
+``packed``) or, with a reason, run the aten composite (``composite``); ``fallback=False`` (strict)
+refuses instead with ``FallbackError``. A forward marks its LSE (``markers``) with what it did, so
+its backward keeps its strictness and, with dropout, runs where the forward ran (cuDNN's mask and
+the composite's differ). CPU kernels always run the composite (reason ``no_cuda``);
 they make the fake kernels, ``opcheck`` and the autograd wiring testable on a CPU-only machine.
 
 Defining these ops registers the ``cudnn_sdpa`` namespace only; it overrides nothing of torch's.
@@ -17,8 +19,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import dense, layout, packed, reference, route, scope
+from . import composite, dense, layout, markers, packed, route, scope
 from .binding import tensor_key
+from .errors import NotSupportedError
 
 __all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "DenseFunction", "VarlenFunction", "eager"]
 
@@ -44,55 +47,8 @@ def _describe(**items):
 # --------------------------------------------------------------------------------------- dense
 
 
-def _compute_dtype(q) -> torch.dtype:
-    """The composite computes in fp32, or fp64 for fp64 inputs (so gradcheck can run on it)."""
-    return torch.promote_types(q.dtype, torch.float32)
-
-
 def _pair(philox):
     return None if philox is None else (philox[0], philox[1])
-
-
-def _composite_dropout_mask(philox, dropout_p, q, k):
-    """The composite's own keep-mask, a pure function of the forward's philox pair so forward and
-    backward agree. It cannot reproduce cuDNN's Philox stream, and reading the pair is a host sync:
-    this runs only on the fallback path."""
-    if dropout_p <= 0.0:
-        return None
-    seed, offset = (int(x) for x in philox.tolist())
-    gen = torch.Generator(device=q.device).manual_seed((seed * 1000003 + offset) % (2**63))
-    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    return torch.rand(shape, generator=gen, device=q.device) >= dropout_p
-
-
-def _dense_composite_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox=None,
-                         dropout_p=0.0):
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        ref_out = q.new_zeros(q.shape[:3] + (v.shape[3],), dtype=torch.float32)
-        ref_lse = q.new_full(q.shape[:3] + (1,), float("-inf"), dtype=torch.float32)
-    else:
-        ref_out, ref_lse = reference.dense(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks,
-                                           bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, dropout_p=dropout_p,
-                                           dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k),
-                                           compute_dtype=_compute_dtype(q))
-    out = layout.dense_out(q, tuple(q.shape[:3]) + (v.shape[3],))
-    out.copy_(ref_out)
-    lse = torch.empty(tuple(q.shape[:3]) + (1,), dtype=torch.float32, device=q.device)
-    lse.copy_(ref_lse)
-    return out, lse
-
-
-def _dense_composite_bwd(grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right,
-                         philox=None, dropout_p=0.0):
-    grads = reference.dense_backward(grad_out, q, k, v, scale=scale, window=window, bottom_right=bottom_right,
-                                     sinks=sinks, bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                                     dropout_p=dropout_p, dropout_mask=_composite_dropout_mask(philox, dropout_p, q, k),
-                                     compute_dtype=_compute_dtype(q))
-    dq, dk, dv = layout.grad_like(q), layout.grad_like(k), layout.grad_like(v)
-    for dst, g in zip((dq, dk, dv), grads[:3]):
-        dst.copy_(g)
-    dsinks = grads[3].to(torch.float32) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return dq, dk, dv, dsinks
 
 
 def _dense_fwd_cuda(
@@ -116,25 +72,42 @@ def _dense_fwd_cuda(
     window = (window_left, window_right)
     found = _dense_entry("fwd", q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right, False)
     strict = _strict_forward(fallback)
-    then = None
-    if strict and _needs_grad(q, k, v, sinks):
-        then = ("dense_bwd", _dense_entry("bwd", q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right,
-                                          torch.are_deterministic_algorithms_enabled()))
+    grad = _needs_grad(q, k, v, sinks)
+    backward = None
+    if grad and (strict or dropout_p > 0.0):
+        backward = _dense_entry("bwd", q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right,
+                                torch.are_deterministic_algorithms_enabled())
+    if dropout_p > 0.0 and backward is not None and backward.first is not None and found.first is None:
+        # cuDNN's dropout mask and the composite's differ: a pair whose backward cannot be served
+        # runs its forward on the composite too.
+        found = route.fixed(backward.first.slug, f"its backward falls back ({backward.first.message}), and "
+                                                 "forward and backward must draw the same dropout mask")
 
     def serve():
-        return dense.forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks, bias=bias,
-                             seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, philox=_pair(philox), dropout_p=dropout_p,
-                             compute_lse=compute_lse)
+        out, lse = dense.forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right, sinks=sinks, bias=bias,
+                                 seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, philox=_pair(philox),
+                                 dropout_p=dropout_p, compute_lse=compute_lse)
+        if grad:
+            markers.mark(lse, markers.Record(served=True, strict=strict))
+        return out, lse
 
-    return route.call("dense_fwd", found, serve, lambda reason: _dense_composite_fwd(
-        q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox, dropout_p),
-        _describe(q=q, k=k, v=v, sinks=sinks, window=window, bottom_right=bottom_right, seq_lens_q=seq_len_q),
-        strict=strict, then=then)
+    def native(reason):
+        out, lse = composite.dense_fwd(q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right,
+                                        philox, dropout_p)
+        if grad:
+            markers.mark(lse, markers.Record(served=False, reason=reason.slug, strict=strict))
+        return out, lse
+
+    return route.call("dense_fwd", found, serve, native,
+                      _describe(q=q, k=k, v=v, sinks=sinks, window=window, bottom_right=bottom_right,
+                                seq_lens_q=seq_len_q),
+                      strict=strict, then=("dense_bwd", backward) if strict and backward is not None else None)
 
 
 def _dense_entry(kind, q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right, deterministic):
+    bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
     signature = ("op_dense_" + kind, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), sinks is not None,
-                 tensor_key(bias), seq_len_q is not None, dropout_p, window, bottom_right, deterministic)
+                 tensor_key(bias), bias_grad, seq_len_q is not None, dropout_p, window, bottom_right, deterministic)
     return route.entry(signature, lambda: route.dense_problem(
         q, k, v, backward=kind == "bwd", window=window, bottom_right=bottom_right, sinks=sinks is not None, bias=bias,
         dropout_p=dropout_p, padded=seq_len_q is not None, deterministic=deterministic), q.device.index)
@@ -146,7 +119,7 @@ dense_fwd = torch.library.custom_op("cudnn_sdpa::dense_fwd", _dense_fwd_cuda, mu
 @dense_fwd.register_kernel("cpu")
 def _dense_fwd_cpu(q, k, v, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p, window_left, window_right,
                    bottom_right, compute_lse, fallback):
-    return route.call("dense_fwd", _ON_CPU, None, lambda reason: _dense_composite_fwd(
+    return route.call("dense_fwd", _ON_CPU, None, lambda reason: composite.dense_fwd(
         q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right), bottom_right, philox,
         dropout_p), _describe(q=q, k=k, v=v, sinks=sinks, window=(window_left, window_right), bottom_right=bottom_right,
                               seq_lens_q=seq_len_q), strict=_strict_forward(fallback))
@@ -183,17 +156,41 @@ def _dense_bwd_cuda(
     """Dense attention backward: (dq, dk, dv, dsinks); dsinks is (H_q,) fp32, or (0,) without sinks."""
     window = (window_left, window_right)
     found = _dense_entry("bwd", q, k, v, sinks, bias, seq_len_q, dropout_p, window, bottom_right, deterministic)
+    record = markers.lookup(lse)  # what the forward did (and its strictness), when it ran here
+    strict = record.strict if record is not None else not fallback
+    if dropout_p > 0.0 and record is not None:
+        found = _dropout_pair(found, record)
 
     def serve():
-        dq, dk, dv, dsinks = dense.backward(grad_out, q, k, v, out, lse, scale=scale, window=window,
-                                            bottom_right=bottom_right, sinks=sinks, bias=bias, seq_len_q=seq_len_q,
-                                            seq_len_kv=seq_len_kv, philox=_pair(philox), dropout_p=dropout_p,
-                                            deterministic=deterministic)
+        try:
+            dq, dk, dv, dsinks = dense.backward(grad_out, q, k, v, out, lse, scale=scale, window=window,
+                                                bottom_right=bottom_right, sinks=sinks, bias=bias,
+                                                seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, philox=_pair(philox),
+                                                dropout_p=dropout_p, deterministic=deterministic)
+        except NotSupportedError as exc:
+            if dropout_p > 0.0 and record is not None and record.served:
+                raise _mask_mismatch(exc.reason, exc.detail) from None
+            raise
         return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
 
-    return route.call("dense_bwd", found, serve, lambda reason: _dense_composite_bwd(
+    return route.call("dense_bwd", found, serve, lambda reason: composite.dense_bwd(
         grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, window, bottom_right, philox, dropout_p),
-        _describe(q=q, k=k, v=v, grad_out=grad_out, window=window), strict=not fallback)
+        _describe(q=q, k=k, v=v, grad_out=grad_out, window=window), strict=strict)
+
+
+def _dropout_pair(found: route.Entry, record: markers.Record) -> route.Entry:
+    """A dropout backward runs where its forward ran: cuDNN's mask and the composite's differ."""
+    if not record.served:
+        return route.fixed(record.reason, "its forward ran on the composite; the backward must use the same mask")
+    if found.first is not None:  # decided otherwise since the forward (e.g. deterministic mode): no right answer
+        raise _mask_mismatch(found.first.slug, found.first.message)
+    return found
+
+
+def _mask_mismatch(slug: str, detail: str) -> RuntimeError:
+    return RuntimeError(f"cudnn-sdpa-provider: the backward of a dropout forward served on cuDNN cannot run on cuDNN "
+                        f"({slug}: {detail}), and any other kernel would draw another dropout mask, giving wrong "
+                        "gradients; run the forward without dropout or under the conditions of its backward")
 
 
 dense_bwd = torch.library.custom_op("cudnn_sdpa::dense_bwd", _dense_bwd_cuda, mutates_args=(), device_types="cuda")
@@ -202,7 +199,7 @@ dense_bwd = torch.library.custom_op("cudnn_sdpa::dense_bwd", _dense_bwd_cuda, mu
 @dense_bwd.register_kernel("cpu")
 def _dense_bwd_cpu(grad_out, q, k, v, out, lse, sinks, bias, seq_len_q, seq_len_kv, philox, scale, dropout_p,
                    window_left, window_right, bottom_right, deterministic, fallback):
-    return route.call("dense_bwd", _ON_CPU, None, lambda reason: _dense_composite_bwd(
+    return route.call("dense_bwd", _ON_CPU, None, lambda reason: composite.dense_bwd(
         grad_out, q, k, v, sinks, bias, seq_len_q, seq_len_kv, scale, (window_left, window_right), bottom_right,
         philox, dropout_p), _describe(q=q, k=k, v=v), strict=not fallback)
 
@@ -249,28 +246,6 @@ dense_fwd.register_autograd(_dense_backward, setup_context=_dense_setup_context)
 # -------------------------------------------------------------------------------------- varlen
 
 
-def _varlen_composite_fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, window, bottom_right):
-    ref_out, ref_lse = reference.varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, window=window,
-                                        bottom_right=bottom_right, sinks=sinks, compute_dtype=_compute_dtype(q))
-    out = layout.packed_out(q, (q.shape[0], q.shape[1], v.shape[2]))
-    out.copy_(ref_out)
-    lse = layout.packed((q.shape[0], q.shape[1]), q, dtype=torch.float32)
-    lse.copy_(ref_lse)
-    return out, lse
-
-
-def _varlen_composite_bwd(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, window, bottom_right):
-    grads = reference.varlen_backward(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, window=window,
-                                      bottom_right=bottom_right, sinks=sinks, compute_dtype=_compute_dtype(q))
-    outs = []
-    for src, g in zip((q, k, v), grads[:3]):
-        dst = layout.grad_like(src)
-        dst.copy_(g)
-        outs.append(dst)
-    dsinks = grads[3].to(torch.float32) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return outs[0], outs[1], outs[2], dsinks
-
-
 def _varlen_fwd_cuda(
     q: Tensor,
     k: Tensor,
@@ -291,23 +266,27 @@ def _varlen_fwd_cuda(
     found = _varlen_entry("fwd", q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, sinks, window, bottom_right,
                           False)
     strict = _strict_forward(fallback)
+    grad = _needs_grad(q, k, v, sinks)
     then = None
-    if strict and _needs_grad(q, k, v, sinks):
+    if strict and grad:
         then = ("varlen_bwd", _varlen_entry("bwd", q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, sinks, window,
                                             bottom_right, torch.are_deterministic_algorithms_enabled()))
 
     def serve():
-        return packed.forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale,
-                              window=window, bottom_right=bottom_right, sinks=sinks)
+        out, lse = packed.forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale,
+                                  window=window, bottom_right=bottom_right, sinks=sinks)
+        if grad:  # the backward keeps this call's strictness, wherever autograd runs it
+            markers.mark(lse, markers.Record(served=True, strict=strict))
+        return out, lse
 
-    return route.call("varlen_fwd", found, serve, lambda reason: _varlen_composite_fwd(
+    return route.call("varlen_fwd", found, serve, lambda reason: composite.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window, bottom_right),
         _describe(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, window=window), strict=strict, then=then)
 
 
 def _varlen_entry(kind, q, k, v, cu_q, max_q, max_kv, sinks, window, bottom_right, deterministic):
-    signature = ("op_varlen_" + kind, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), cu_q.shape, max_q,
-                 max_kv, sinks is not None, window, bottom_right, deterministic)
+    signature = ("op_varlen_" + kind, q.device.index, route.varlen_key(q, k, v), cu_q.shape, max_q, max_kv,
+                 sinks is not None, window, bottom_right, deterministic)
     return route.entry(signature, lambda: route.varlen_problem(
         q, k, v, cu_q, max_q, max_kv, backward=kind == "bwd", window=window, bottom_right=bottom_right,
         sinks=sinks is not None, deterministic=deterministic), q.device.index)
@@ -319,7 +298,7 @@ varlen_fwd = torch.library.custom_op("cudnn_sdpa::varlen_fwd", _varlen_fwd_cuda,
 @varlen_fwd.register_kernel("cpu")
 def _varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window_left,
                     window_right, bottom_right, fallback):
-    return route.call("varlen_fwd", _ON_CPU, None, lambda reason: _varlen_composite_fwd(
+    return route.call("varlen_fwd", _ON_CPU, None, lambda reason: composite.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, (window_left, window_right),
         bottom_right), _describe(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, window=(window_left, window_right)),
         strict=_strict_forward(fallback))
@@ -363,9 +342,15 @@ def _varlen_bwd_cuda(
                                              sinks=sinks, deterministic=deterministic)
         return dq, dk, dv, (dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32))
 
-    return route.call("varlen_bwd", found, serve, lambda reason: _varlen_composite_bwd(
+    return route.call("varlen_bwd", found, serve, lambda reason: composite.varlen_bwd(
         grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale, window,
-        bottom_right), _describe(q=q, k=k, v=v, grad_out=grad_out), strict=not fallback)
+        bottom_right), _describe(q=q, k=k, v=v, grad_out=grad_out), strict=_backward_strict(lse, fallback))
+
+
+def _backward_strict(lse, fallback: bool) -> bool:
+    """A backward's strictness: what its forward recorded on the LSE, else its caller's."""
+    record = markers.lookup(lse)
+    return record.strict if record is not None else not fallback
 
 
 varlen_bwd = torch.library.custom_op("cudnn_sdpa::varlen_bwd", _varlen_bwd_cuda, mutates_args=(), device_types="cuda")
@@ -374,7 +359,7 @@ varlen_bwd = torch.library.custom_op("cudnn_sdpa::varlen_bwd", _varlen_bwd_cuda,
 @varlen_bwd.register_kernel("cpu")
 def _varlen_bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks,
                     scale, window_left, window_right, bottom_right, deterministic, fallback):
-    return route.call("varlen_bwd", _ON_CPU, None, lambda reason: _varlen_composite_bwd(
+    return route.call("varlen_bwd", _ON_CPU, None, lambda reason: composite.varlen_bwd(
         grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sinks, scale,
         (window_left, window_right), bottom_right), _describe(q=q, k=k, v=v), strict=not fallback)
 

@@ -55,6 +55,12 @@ def _unused_philox(device: torch.device) -> tuple:
     return (torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device))
 
 
+def _traced(t) -> bool:
+    """Fake or functional tensors, or a dispatch mode (torch.compile's tracing reaches the math
+    kernel's autograd key): no data pointer to read, and nothing runs yet."""
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) or torch._C._len_torch_dispatch_stack() > 0
+
+
 def _mark(t, record: markers.Record) -> None:
     if isinstance(t, torch.Tensor) and t.numel() > 0:
         markers.mark(t, record)
@@ -173,15 +179,18 @@ class _Counted:
                                        "are not 4-D")
         bias = a.get(self.bias_arg) if self.bias_arg else None
         dropout_p = float(a.get("dropout_p", 0.0) or 0.0)
-        window = support.canonical_window(bool(a.get("is_causal", False)), None)
+        window = _WINDOWS[bool(a.get("is_causal", False))]
+        bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
         signature = (self.name, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(bias),
-                     dropout_p, window, self.backward)
+                     bias_grad, dropout_p, window, self.backward)
         return route.elsewhere(signature, lambda: route.dense_problem(
             q, k, v, backward=self.backward, window=window, bias=bias, dropout_p=dropout_p), q.device.index)
 
     def __call__(self, keyset, *args, **kwargs):
         a = _bind(self.op, args, kwargs)
         run = lambda reason=None: self.original.call_boxed(keyset, *args, **kwargs)  # noqa: E731
+        if _traced(a["query"]):  # torch.compile / tracing: counted where the compiled code runs, not here
+            return run()
         if self.backward:
             record = markers.lookup(a.get("logsumexp"))
             if record is None:
@@ -269,8 +278,8 @@ class _Varlen:
         paged = a.get("seqused_k") is not None or a.get("block_table") is not None
         unknown = _unknown_arguments(op, a)
         deterministic = backward and torch.are_deterministic_algorithms_enabled()
-        signature = (op._schema.name, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), cu_q.shape,
-                     a["max_q"], a["max_k"], window, paged, unknown, deterministic)
+        signature = (op._schema.name, q.device.index, route.varlen_key(q, k, v), cu_q.shape, a["max_q"], a["max_k"],
+                     window, paged, unknown, deterministic)
         return route.entry(signature, lambda: route.varlen_problem(
             q, k, v, cu_q, a["max_q"], a["max_k"], backward=backward, window=window, bottom_right=True,
             deterministic=deterministic, paged=paged, unsupported=unknown), q.device.index)

@@ -77,6 +77,12 @@ def _check_cu(cu: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a 1-D int32 tensor of prefix sums, got {cu.dtype} with shape {tuple(cu.shape)}")
 
 
+def _token_stride(t: torch.Tensor) -> int:
+    """The token stride the graph declares for a contiguous (T, H, D) buffer (``t.stride(0)`` can be
+    anything when T == 1)."""
+    return t.shape[1] * t.shape[2]
+
+
 class _Lengths:
     """The per-call length terms: safe cu_seqlens (all 0 when any length is out of range), the
     lengths cuDNN reads, ragged offsets by token stride, the 0-dim ``bad`` flag and the value the
@@ -104,6 +110,20 @@ class _Lengths:
         return found
 
 
+def _key(t) -> tuple | None:
+    """A packed tensor's part of a signature: heads, head dim, dtype, whether cuDNN reads it in place.
+    Never the token count, which changes from batch to batch while nothing about the graph does."""
+    return None if t is None else (t.shape[1], t.shape[2], t.dtype, layout.packed_usable(t))
+
+
+def _output(like: torch.Tensor, shape, dtype, fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output in the layout policy's strides, the contiguous buffer cuDNN writes), filled."""
+    out = layout.packed_out(like, shape, dtype)
+    buf = out if out.is_contiguous() else torch.empty(tuple(shape), dtype=dtype, device=like.device)
+    buf.fill_(fill)
+    return out, buf
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_kv: int, *, scale: float,
             window=(-1, -1), bottom_right=False, sinks=None):
     """cuDNN varlen forward: (out (T_q, H_q, D_v), lse (T_q, H_q) fp32)."""
@@ -111,19 +131,20 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_
     _check_cu(cu_seqlens_kv, "cu_seqlens_kv")
     bottom_right = alignment(bottom_right, (cu_seqlens_q, cu_seqlens_kv))
     sq, skv = seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_kv)
-    signature = ("varlen_fwd", q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), cu_seqlens_q.shape,
-                 sq, skv, tensor_key(sinks), scale, window, bottom_right)
+    signature = ("varlen_fwd", q.device.index, _key(q), _key(k), _key(v), cu_seqlens_q.shape, sq, skv,
+                 tensor_key(sinks), scale, window, bottom_right)
     found = bd.lookup(signature) or bd.store(signature, _bind_forward(q, k, v, cu_seqlens_q.shape[0] - 1, sq, skv,
                                                                       sinks, scale, window, bottom_right))
     n = _Lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv)
     qr, kr, vr = (layout.packed_repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
-    (out, lse), (out_buf, lse_buf) = bd.outputs(found, (q.dtype, torch.float32), q.device, fill=n.fill)
-    h = q.shape[1]
-    buffers = [qr, kr, vr, out_buf, lse_buf, n.len_q, n.len_kv, n.offsets("q", qr.stride(0)),
-               n.offsets("kv", kr.stride(0)), n.offsets("kv", vr.stride(0)), n.offsets("q", out_buf.stride(0)),
-               n.offsets("q", h)]
+    t_q, h = q.shape[0], q.shape[1]
+    out, out_buf = _output(q, (t_q, h, v.shape[2]), q.dtype, n.fill)
+    lse = torch.empty((t_q, h), dtype=torch.float32, device=q.device).fill_(n.fill)
+    ts = _token_stride
+    buffers = [qr, kr, vr, out_buf, lse, n.len_q, n.len_kv, n.offsets("q", ts(qr)), n.offsets("kv", ts(kr)),
+               n.offsets("kv", ts(vr)), n.offsets("q", ts(out_buf)), n.offsets("q", h)]
     if sinks is not None:
-        buffers.append(sinks.reshape(1, h, 1, 1).float().contiguous())
+        buffers.append(bd.small_operand(sinks, (1, h, 1, 1), torch.float32))
     bd.run(found, tuple(buffers), q.device.index)
     bd.copy_back([out], [out_buf])
     return out, lse
@@ -132,8 +153,6 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_
 def _bind_forward(q, k, v, batch, sq, skv, sinks, scale, window, bottom_right) -> Binding:
     repair = tuple(not layout.packed_usable(t) for t in (q, k, v))
     shape_o = (q.shape[0], q.shape[1], v.shape[2])
-    out = layout.packed_out(q, shape_o)
-    direct = out.is_contiguous()
     key = FwdKey(device=q.device.index, q=_ragged(q.shape, q.dtype, batch, sq), k=_ragged(k.shape, k.dtype, batch, skv),
                  v=_ragged(v.shape, v.dtype, batch, skv), o=_ragged(shape_o, q.dtype, batch, sq),
                  lse=_lse_desc(q.shape[1], batch, sq),
@@ -141,10 +160,8 @@ def _bind_forward(q, k, v, batch, sq, skv, sinks, scale, window, bottom_right) -
                  ragged=True)
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.LSE, UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O,
             UID.RAG_LSE) + ((UID.SINK,) if sinks is not None else ())
-    lse_size = (q.shape[0], q.shape[1])
-    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
-                   outputs=((shape_o, out.stride()), (lse_size, (q.shape[1], 1))), direct=(direct, True), extra={},
-                   fix=any(repair))
+    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair, outputs=(), direct=(),
+                   extra={}, fix=any(repair))
 
 
 def _plan(key):
@@ -157,37 +174,37 @@ def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqle
     _check_cu(cu_seqlens_q, "cu_seqlens_q")
     _check_cu(cu_seqlens_kv, "cu_seqlens_kv")
     bottom_right = alignment(bottom_right, (cu_seqlens_q, cu_seqlens_kv))
+    batch = cu_seqlens_q.shape[0] - 1
     sq, skv = seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_kv)
-    signature = ("varlen_bwd", q.device.index, tensor_key(grad_out), tensor_key(q), tensor_key(k), tensor_key(v),
-                 tensor_key(out), tensor_key(lse), cu_seqlens_q.shape, sq, skv, tensor_key(sinks), scale, window,
-                 bottom_right, deterministic)
-    found = bd.lookup(signature) or bd.store(signature, _bind_backward(grad_out, q, k, v, out,
-                                                                       cu_seqlens_q.shape[0] - 1, sq, skv, sinks,
-                                                                       scale, window, bottom_right, deterministic))
+    bounds = max_total(machine.capabilities(q.device.index), q.shape[0], k.shape[0], batch, sq, skv, q.shape[2],
+                       v.shape[2])
+    signature = ("varlen_bwd", q.device.index, _key(grad_out), _key(q), _key(k), _key(v), _key(out),
+                 cu_seqlens_q.shape, sq, skv, bounds, tensor_key(sinks), scale, window, bottom_right, deterministic)
+    found = bd.lookup(signature) or bd.store(signature, _bind_backward(grad_out, q, k, v, out, batch, sq, skv, bounds,
+                                                                       sinks, scale, window, bottom_right,
+                                                                       deterministic))
     n = _Lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv)
     qr, kr, vr, outr, do = (layout.packed_repaired(t) if fix else t
                             for t, fix in zip((q, k, v, out, grad_out), found.repair))
-    lse = lse.contiguous()
-    (dq, dk, dv), bufs = bd.outputs(found, (q.dtype, k.dtype, v.dtype), q.device, fill=n.fill)
-    h = q.shape[1]
-    buffers = [qr, kr, vr, outr, do, lse, bufs[0], bufs[1], bufs[2], n.len_q, n.len_kv,
-               n.offsets("q", qr.stride(0)), n.offsets("kv", kr.stride(0)), n.offsets("kv", vr.stride(0)),
-               n.offsets("q", outr.stride(0)), n.offsets("q", do.stride(0)), n.offsets("q", h),
-               n.offsets("q", bufs[0].stride(0)), n.offsets("kv", bufs[1].stride(0)), n.offsets("kv", bufs[2].stride(0))]
+    lse = bd.small_operand(lse, tuple(lse.shape))  # contiguous and aligned: cuDNN < 9.26 misreads others
+    (dq, dq_buf), (dk, dk_buf), (dv, dv_buf) = (_output(t, tuple(t.shape), t.dtype, n.fill) for t in (q, k, v))
+    h, ts = q.shape[1], _token_stride
+    buffers = [qr, kr, vr, outr, do, lse, dq_buf, dk_buf, dv_buf, n.len_q, n.len_kv,
+               n.offsets("q", ts(qr)), n.offsets("kv", ts(kr)), n.offsets("kv", ts(vr)), n.offsets("q", ts(outr)),
+               n.offsets("q", ts(do)), n.offsets("q", h), n.offsets("q", ts(dq_buf)), n.offsets("kv", ts(dk_buf)),
+               n.offsets("kv", ts(dv_buf))]
     if sinks is not None:
-        buffers += [sinks.reshape(1, h, 1, 1).float().contiguous(),
+        buffers += [bd.small_operand(sinks, (1, h, 1, 1), torch.float32),
                     torch.empty((1, h, 1, 1), dtype=torch.float32, device=q.device)]
     bd.run(found, tuple(buffers), q.device.index)
-    bd.copy_back([dq, dk, dv], bufs)
+    bd.copy_back([dq, dk, dv], [dq_buf, dk_buf, dv_buf])
     return dq, dk, dv, (rows.sink_grad_packed(sinks, lse, outr, do) if sinks is not None else None)
 
 
-def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, sinks, scale, window, bottom_right,
+def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, bounds, sinks, scale, window, bottom_right,
                    deterministic) -> Binding:
     shape_o = (q.shape[0], q.shape[1], v.shape[2])
     repair = tuple(not layout.packed_usable(t) for t in (q, k, v, out, grad_out))
-    grads = [layout.grad_like(t) for t in (q, k, v)]
-    direct = tuple(g.is_contiguous() for g in grads)
 
     def ragged(shape, dtype, s):
         return _ragged(shape, dtype, batch, s)
@@ -197,12 +214,9 @@ def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, sinks, scale, window,
                  lse=_lse_desc(q.shape[1], batch, sq), dq=ragged(q.shape, q.dtype, sq),
                  dk=ragged(k.shape, k.dtype, skv), dv=ragged(v.shape, v.dtype, skv), scale=float(scale),
                  window=tuple(window), bottom_right=bool(bottom_right), sinks=sinks is not None, ragged=True,
-                 deterministic=bool(deterministic),
-                 max_total=max_total(machine.capabilities(q.device.index), q.shape[0], k.shape[0], batch, sq, skv,
-                                     q.shape[2], v.shape[2]))
+                 deterministic=bool(deterministic), max_total=bounds)
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q,
             UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_LSE, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
     uids += (UID.SINK, UID.DSINK) if sinks is not None else ()
-    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
-                   outputs=tuple((tuple(g.shape), g.stride()) for g in grads), direct=direct, extra={},
-                   fix=any(repair))
+    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair, outputs=(), direct=(),
+                   extra={}, fix=any(repair))

@@ -87,9 +87,23 @@ def dense_problem(q, k, v, *, backward=False, window=(-1, -1), bottom_right=Fals
         empty=q.numel() == 0 or k.numel() == 0 or v.numel() == 0, recompute=recompute, unsupported=tuple(unsupported))
 
 
+def varlen_key(q, k, v) -> tuple:
+    """What of packed q, k, v a decision depends on: heads, head dims, dtypes, and whether the ragged
+    offsets overflow. Never the token count, which changes from batch to batch."""
+    return (q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.device.type,
+            _extent(q, k, v) > support.INT32_MAX, q.numel() == 0 or k.numel() == 0 or v.numel() == 0)
+
+
+def _extent(q, k, v) -> int:
+    # Ragged offsets are elements of the contiguous buffers cuDNN reads (operands are repaired to that
+    # layout), O and dO included, whose D_v may exceed D_qk.
+    return max(q.shape[0] * q.shape[1] * max(q.shape[2], v.shape[2]), k.shape[0] * k.shape[1] * k.shape[2],
+               v.shape[0] * v.shape[1] * v.shape[2])
+
+
 def varlen_problem(q, k, v, cu_seqlens_q, max_q, max_kv, *, backward=False, window=(-1, -1), bottom_right=False,
                    sinks=False, deterministic=False, paged=False, unsupported=()) -> support.Problem:
-    extent = max(t.shape[0] * max(t.stride(0), 1) for t in (q, k, v))
+    extent = _extent(q, k, v)
     return support.Problem(
         kind="varlen", backward=backward, device_type=q.device.type, dtypes=(q.dtype, k.dtype, v.dtype),
         batch=cu_seqlens_q.shape[0] - 1, h_q=q.shape[1], h_k=k.shape[1], h_v=v.shape[1], s_q=int(max_q),
@@ -135,6 +149,7 @@ def entry(signature: tuple, problem: Callable[[], support.Problem], device_index
     cache = _cache()
     found = cache.get(signature)
     if found is not None:
+        cache.move_to_end(signature)
         return found
     p = problem()
     found = Entry(reasons_for(p, device_index))
@@ -199,6 +214,7 @@ def call(path: str, found: Entry, serve: Callable[[], T] | None, native: Callabl
             result = serve()
         except NotSupportedError as exc:  # cuDNN rejected the graph when it was built
             reason = Reason(exc.reason, exc.detail)
+            found.reasons = [reason]  # the signature's later calls fall back at once (no rebinding)
         else:
             counters.record(path)
             return result

@@ -351,3 +351,35 @@ def test_fallback_error_pickles():
         err.path, err.reasons, err.inputs, err.details, str(err))
     nse = pickle.loads(pickle.dumps(csp.NotSupportedError("no_cuda", "cpu")))
     assert (nse.reason, nse.detail, str(nse)) == ("no_cuda", "cpu", "[no_cuda] cpu")
+
+
+def test_a_removal_inside_a_users_priority_context_keeps_their_order():
+    """enable(), then the user's sdpa_kernel(set_priority=True), then the activation removed inside the
+    block: the user's order is left as they set it. (On leaving the block PyTorch's context manager
+    puts back what it saw on entry, the provider's order; docs/ways-in.md says so.)"""
+    before = sdp_state()
+    act = csp.enable()
+    mine = [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    try:
+        with sdpa_kernel(mine, set_priority=True):
+            theirs = list(torch._C._get_sdp_priority_order())
+            act.remove()
+            assert list(torch._C._get_sdp_priority_order()) == theirs, "the user's order is not clobbered"
+    finally:
+        torch._C._set_sdp_priority_order(before[1])
+
+
+def test_enable_that_fails_leaves_nothing_applied(monkeypatch):
+    from cudnn_sdpa_provider import backends
+
+    before = sdp_state()
+
+    def boom(self):
+        raise RuntimeError("boom in coexistence")
+
+    monkeypatch.setattr(activation, "_report_coexistence", lambda: boom(None))
+    with pytest.raises(RuntimeError, match="boom"):
+        csp.enable()
+    assert not csp.enabled() and sdp_state() == before
+    assert not activation._hooks.forward_active
+    assert isinstance(activation._priority, backends.PriorityGuard)

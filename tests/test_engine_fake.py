@@ -187,3 +187,17 @@ def test_packed_rows_past_the_last_sequence_are_zero(fake):
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)  # 17 tokens, 10 used
     out, _ = packed.forward(q, k, v, cu, cu, 6, 6, scale=0.4)
     assert (out[10:] == 0).all() and out.stride() == torch.empty_like(q).stride()
+
+
+def test_a_new_token_count_reuses_the_packed_binding(fake):
+    """Packed batches change their token count every step; nothing about the graph or the binding
+    does, so a new count builds nothing."""
+    for tokens in (17, 23, 40):  # max_seqlen 20..32 share the descriptor's bucket, 32
+        q, k, v = (torch.randn(tokens, 4, 8) for _ in range(3))
+        cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
+        longest = tokens - tokens // 2
+        out, lse = packed.forward(q, k, v, cu, cu, 20 + tokens % 10, 20 + tokens % 10, scale=0.4)
+        want, _ = reference.varlen(q.double(), k.double(), v.double(), cu, cu, longest, longest, scale=0.4,
+                                   compute_dtype=torch.float64)
+        assert_rel_close(out, want, TOL, f"out at T={tokens}")
+    assert fake_cudnn.FakeGraph.builds == 1 and len(graphs._state()["fast"]) == 1

@@ -193,3 +193,19 @@ def test_dropout_recompute_is_recognised_under_checkpointing():
     x = torch.randn(3, requires_grad=True)
     assert block(x) is not None and seen[-1] is False, "a plain training forward is not a recomputation"
     assert route.recompute(0.0) is False
+
+
+def test_compiled_math_route_inside_enable_traces_without_reading_fake_tensors():
+    """torch.compile traces F.sdpa's math composite through the counting kernel on the autograd key
+    with fake tensors: the kernel must pass them through (no data pointer to read) instead of
+    failing the compile. The compiled call runs the decomposed math ops: nothing of ours runs."""
+    q = torch.randn(1, 2, 8, 8, requires_grad=True)
+    before = counters.stats()
+    with csp.enable(), sdpa_kernel(SDPBackend.MATH):
+        compiled = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                                 backend="aot_eager")
+        out = compiled(q)
+        out.sum().backward()
+    want = F.scaled_dot_product_attention(q.detach(), q.detach(), q.detach(), is_causal=True)
+    assert torch.allclose(out.detach(), want, atol=1e-6)
+    assert (counters.stats() - before).to_dict()["dense_fwd"] == {"served": 0, "fallback": {}}
