@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import platform
 from typing import NamedTuple
 
 import torch
