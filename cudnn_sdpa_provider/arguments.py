@@ -64,28 +64,27 @@ def common(q, k, v, sinks, dims: int) -> None:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
 
 
-def lengths(name: str, t, batch: int, device) -> torch.Tensor:
-    """(B,) int32/int64 lengths on q's device, as int32."""
+def _int32_vector(name: str, t, device, shape_ok: bool, expected: str) -> torch.Tensor:
     require_tensor(name, t)
-    if t.dim() != 1 or t.shape[0] != batch:
-        raise ValueError(f"{name} must have shape ({batch},) (one length per batch row), got {tuple(t.shape)}")
+    if not shape_ok:
+        raise ValueError(f"{name} must {expected}, got {tuple(t.shape)}")
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
     return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def lengths(name: str, t, batch: int, device) -> torch.Tensor:
+    """(B,) int32/int64 lengths on q's device, as int32."""
+    ok = isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == batch
+    return _int32_vector(name, t, device, ok, f"have shape ({batch},) (one length per batch row)")
 
 
 def cu_seqlens(name: str, t, device) -> torch.Tensor:
     """(B+1,) int32/int64 prefix sums on q's device, as int32."""
-    require_tensor(name, t)
-    if t.dim() != 1 or t.shape[0] < 2:
-        raise ValueError(f"{name} must be 1-D prefix sums of shape (B+1,) with B >= 1, got {tuple(t.shape)}")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}")
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+    ok = isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] >= 2
+    return _int32_vector(name, t, device, ok, "be 1-D prefix sums of shape (B+1,) with B >= 1")
 
 
 def max_seqlen(name: str, value) -> int:

@@ -14,36 +14,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
+from bench_peer import nvidia_cudnn_torch  # noqa: E402  (the peer's overrides, as scripts/bench_peer.py installs them)
 from cudnn_sdpa_provider.bench import MATRIX  # noqa: E402
 
 
-@contextlib.contextmanager
-def _peer():
-    import cudnn.torch as peer
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    gc.collect()
-    handle = peer.install_sdpa_overrides()
-    try:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            yield
-    finally:
-        handle.remove()
-
-
-PATHS = {"provider": csp.enable, "native_flash": contextlib.nullcontext, "nvidia_cudnn_torch": _peer}
+PATHS = {"provider": csp.enable, "native_flash": contextlib.nullcontext, "nvidia_cudnn_torch": nvidia_cudnn_torch}
 
 
 def _inputs():
