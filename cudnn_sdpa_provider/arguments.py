@@ -108,10 +108,15 @@ def dropout(value) -> float:
     return float(value)
 
 
+#: Tensor types that are plain data (nn.Parameter: e.g. gpt-oss's sinks); anything else is a subclass
+#: that may trace or transform (FakeTensor, FunctionalTensor, user subclasses).
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def readable(t: torch.Tensor) -> bool:
     """Whether tensor values can be read here: eager code on a plain tensor (not compiling, tracing,
     or inside a fake/meta or other dispatch mode)."""
-    return (type(t) is torch.Tensor and t.device.type != "meta" and not torch.compiler.is_compiling()
+    return (type(t) in PLAIN and t.device.type != "meta" and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing() and not torch._C._len_torch_dispatch_stack())
 
 

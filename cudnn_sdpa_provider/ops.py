@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import composite, dense, layout, markers, packed, route, scope
+from . import arguments, composite, dense, layout, markers, packed, route, scope
 from .binding import tensor_key
 from .errors import NotSupportedError
 
@@ -431,14 +431,10 @@ VarlenFunction = _eager_function(
     """``DenseFunction``'s packed counterpart (``cudnn_sdpa::varlen_fwd`` / ``varlen_bwd``).""")
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # nn.Parameter: e.g. gpt-oss's sinks
-
-
 def eager(*tensors) -> bool:
     """Whether a call on these tensors (the first one is q) may take the eager Functions: plain
     CUDA or CPU tensors, nothing compiling, tracing, or transforming it (those, and meta tensors,
     see the custom ops, with their fake kernels)."""
-    return (tensors[0].device.type in ("cuda", "cpu") and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing()
-            and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
-            and all(t is None or type(t) in _PLAIN for t in tensors))
+    return (tensors[0].device.type in ("cuda", "cpu") and arguments.readable(tensors[0])
+            and not torch._C._are_functorch_transforms_active()
+            and all(t is None or type(t) in arguments.PLAIN for t in tensors))

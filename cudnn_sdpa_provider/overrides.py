@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from . import dense, markers, packed, route, rows, scope, support
+from . import arguments, dense, markers, packed, route, rows, scope, support
 from .binding import tensor_key
 from .route import describe_call
 
@@ -58,7 +58,7 @@ def _unused_philox(device: torch.device) -> tuple:
 def _traced(t) -> bool:
     """Fake or functional tensors, or a dispatch mode (torch.compile's tracing reaches the math
     kernel's autograd key): no data pointer to read, and nothing runs yet."""
-    return type(t) not in (torch.Tensor, torch.nn.Parameter) or torch._C._len_torch_dispatch_stack() > 0
+    return not arguments.readable(t)
 
 
 def _mark(t, record: markers.Record) -> None:

@@ -90,16 +90,17 @@ class _Lengths:
 
     def __init__(self, cu_q, cu_kv, t_q: int, t_kv: int, max_q: int, max_kv: int):
         same = cu_q is cu_kv
-        self.bad = rows.bad_packed_lengths(cu_q, cu_q.diff(), cu_kv, cu_kv.diff() if not same else cu_q.diff(),
-                                           t_q, t_kv, max_q, max_kv)
+        diff_q = cu_q.diff()
+        diff_kv = diff_q if same else cu_kv.diff()
+        self.bad = rows.bad_packed_lengths(cu_q, diff_q, cu_kv, diff_kv, t_q, t_kv, max_q, max_kv)
         self.cu_q = torch.where(self.bad, 0, cu_q)
         self.cu_kv = self.cu_q if same else torch.where(self.bad, 0, cu_kv)
         self.fill = torch.where(self.bad, float("nan"), 0.0)  # 0-dim: what the outputs start at
-        self.len_kv = (self.cu_q if same else self.cu_kv).diff().view(-1, 1, 1, 1)
-        len_q = self.cu_q.diff().view(-1, 1, 1, 1)
+        # The lengths of the safe cu_seqlens: 0 everywhere when bad, else the real ones.
+        self.len_kv = torch.where(self.bad, 0, diff_kv).view(-1, 1, 1, 1)
         # Queries of a sequence with no keys attend to nothing: 0 by definition. cuDNN < 9.25 writes
         # NaN for them, so it is not asked to compute them (length 0); their rows keep the fill, 0.
-        self.len_q = len_q if same else torch.where(self.len_kv == 0, 0, len_q)
+        self.len_q = self.len_kv if same else torch.where(self.len_kv == 0, 0, diff_q.view(-1, 1, 1, 1))
         self._offsets: dict = {}
 
     def offsets(self, side: str, stride: int) -> torch.Tensor:

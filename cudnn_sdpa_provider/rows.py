@@ -60,7 +60,10 @@ def bad_packed_lengths(cu_q, lens_q, cu_kv, lens_kv, tokens_q: int, tokens_kv: i
     """0-dim bool: cu_seqlens that do not start at 0, decrease, run past the packed tokens, or hold
     a sequence longer than its max_seqlen. The caller then gives cuDNN zero lengths (it reads and
     writes nothing) and poisons the outputs, so an out-of-range length can never reach memory
-    outside the tensors and is never computed as something else."""
+    outside the tensors and is never computed as something else. ``cu_kv is cu_q``: one check
+    against the tighter of the two bounds."""
+    if cu_kv is cu_q:
+        return _packed_bad(cu_q, lens_q, min(tokens_q, tokens_kv), min(max_q, max_kv))
     return _packed_bad(cu_q, lens_q, tokens_q, max_q) | _packed_bad(cu_kv, lens_kv, tokens_kv, max_kv)
 
 
