@@ -12,6 +12,8 @@ provider, and checks, raising AssertionError with every mismatch it found:
   with NaN first on CUDA);
 * strides of out and every gradient equal native's (same backend as the provider's scope selects),
   or where native did not run, what the fake / meta kernels say; dims of size 1 are ignored;
+  native reads a misaligned grad_out from an aligned copy with the same strides (its kernels fault
+  on the original), and a CUDA error in native's run is named as native's, not the provider's;
 * counters: the provider's call counts exactly one forward and one backward on its path, served or
   fallback with a catalogued reason, never neither; the native call counts nothing;
 * dropout (masks differ between kernels): forward/backward consistency, <dV, V> = <dO, O> and
@@ -23,6 +25,7 @@ Batches of configurations run in child processes: tests/layout_batches.py.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import warnings
@@ -287,15 +290,15 @@ def _varlen_case(cfg, ops) -> Case:
                              return_lse=cfg["return_lse"])
 
     if cfg["api"] == "varlen_attn":
-        call, rule = native, lambda: _varlen_rule(cfg, ops)
-        if not all(_vector_aligned(t) for t in (ops.q, ops.k, ops.v)):
-            native = None  # FlashAttention would fault (CUDA "misaligned address", fatal to the process)
+        call, rule = native, lambda: _varlen_rule(cfg, ops)  # the same call, inside enable()
     else:
         def call():
             got = attention(ops)
             return got if cfg["return_lse"] else (got, None)
 
         rule = lambda: _fake_rule(ops, lambda o: (attention(o)[0] if cfg["return_lse"] else attention(o)))  # noqa: E731
+    if not all(_vector_aligned(t) for t in (ops.q, ops.k, ops.v)):
+        native = None  # FlashAttention would fault (CUDA "misaligned address", fatal to the process)
     ref_kw = dict(scale=_scale(cfg), window=window, bottom_right=br)
     return Case(("varlen_fwd", "varlen_bwd"), call, native, cfg["api"] == "varlen_attn",
                 lambda q, k, v: reference.varlen(q, k, v, *sizes, **ref_kw), lambda: _low_varlen(cfg, ops, **ref_kw),
@@ -337,6 +340,25 @@ def _run(fn, ops, seed: int, scope: bool, bwd_in_scope: bool = True) -> Result:
         result.error = exc
     result.delta = counters.stats() - before
     return result
+
+
+def _for_native(ops):
+    """The operands for native's run: the same tensors, except a grad_out whose base or strides are not
+    16-byte aligned becomes an aligned copy with the same strides. Native's backward kernels
+    (FlashAttention, cuDNN) launch on it unchecked and fault with "misaligned address" (seen on the
+    H200), while the provider copies such a grad_out; the gradients are the same values either way."""
+    go = ops.go
+    if _vector_aligned(go):
+        return ops
+    span = 1 + sum((n - 1) * s for n, s in zip(go.shape, go.stride()))  # the storage go reads (strides may be 0)
+    region = go.as_strided((span,), (1,), go.storage_offset())
+    moved = torch.empty(span, dtype=go.dtype, device=go.device).copy_(region).as_strided(go.shape, go.stride(), 0)
+    return dataclasses.replace(ops, go=moved)
+
+
+def _context_lost(error) -> bool:
+    """Whether ``error`` is a CUDA error that poisons the process (after it nothing else can run)."""
+    return error is not None and type(error).__name__ == "AcceleratorError"
 
 
 def _layout_of(strides, shape) -> tuple:
@@ -471,7 +493,10 @@ def run_config(cfg: dict, device) -> str:
     """Run one configuration; raise AssertionError naming every mismatch; return what was counted."""
     ops = layouts.build(cfg, device)
     case = CASES[cfg["api"]](cfg, ops)
-    native = _run(case.native, ops, cfg["seed"], scope=False) if case.native is not None else None
+    native = _run(case.native, _for_native(ops), cfg["seed"], scope=False) if case.native is not None else None
+    if native is not None and _context_lost(native.error):
+        raise AssertionError(f"native PyTorch faulted on this layout before the provider ran (a harness fault: "
+                             f"give native operands it can read): {native.error!r}")
     _poison(device)
     got = _run(case.provider, ops, cfg["seed"], scope=case.in_scope, bwd_in_scope=cfg["bwd_in_scope"])
     if got.error is not None:

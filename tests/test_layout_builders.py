@@ -146,6 +146,20 @@ def test_grad_out_has_a_layout_of_its_own(kind, check):
     assert ops.go.abs().min() > 0
 
 
+@pytest.mark.parametrize("kind", ["offset", "broadcast", "bhsd"])
+def test_native_reads_a_misaligned_grad_out_from_an_aligned_copy_with_its_strides(kind):
+    ops = layouts.build(_dense(go=kind, s_kv=32), "cpu")
+    if kind == "broadcast":  # a stride-0 grad_out one element in: copied as the storage it reads
+        base = torch.randn(1 + ops.go.numel())
+        ops.go = base[1:].as_strided(ops.go.shape, ops.go.stride())
+    theirs = layout_runner._for_native(ops).go
+    if layout_runner._vector_aligned(ops.go):
+        assert theirs is ops.go
+        return
+    assert theirs.data_ptr() % 16 == 0 and theirs.stride() == ops.go.stride() and torch.equal(theirs, ops.go)
+    assert theirs.data_ptr() != ops.go.data_ptr()
+
+
 def test_varlen_col_grad_out():
     go = layouts.build(_varlen(go="col"), "cpu").go
     assert go.stride() == (1, 64 * 32, 32)

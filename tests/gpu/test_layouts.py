@@ -11,10 +11,12 @@ NaN, counters) in batches of ``CSP_LAYOUT_BATCH``, each batch in a child process
 (tests/layout_batches.py), so a CUDA error or a segfault fails its batch naming the configuration
 that was running, and the rest of the batch (in a fresh child) and the other batches still run.
 
-Budget: ~450 s on an H200 for the default 1000 (configurations come in families of
-``CSP_LAYOUT_VARIANTS`` that share their graphs, so builds are shared); a batch may take
-``CSP_LAYOUT_BATCH_TIMEOUT`` seconds and ``CSP_LAYOUT_RESTARTS`` fresh children after crashes; the
-whole file stops at ``CSP_LAYOUT_DEADLINE`` seconds, failing the batches it did not reach.
+Budget: about 0.5 s per configuration in one child on an H200 (configurations come in families of
+``CSP_LAYOUT_VARIANTS`` that share their graphs, so builds are shared), plus a child's start-up;
+``CSP_LAYOUT_JOBS`` batches run at once (each its own child process, so one's crash cannot touch
+another). A batch may take ``CSP_LAYOUT_BATCH_TIMEOUT`` seconds and ``CSP_LAYOUT_RESTARTS`` fresh
+children after crashes; no batch starts after ``CSP_LAYOUT_DEADLINE`` seconds, and those are failed
+as not run. Only the batches pytest selected (``-k batch3``) run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import collections
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,9 +41,31 @@ VARIANTS = int(os.environ.get("CSP_LAYOUT_VARIANTS", "4"))
 BATCH_TIMEOUT = float(os.environ.get("CSP_LAYOUT_BATCH_TIMEOUT", "180"))
 DEADLINE = float(os.environ.get("CSP_LAYOUT_DEADLINE", "450"))
 RESTARTS = int(os.environ.get("CSP_LAYOUT_RESTARTS", "3"))  # fresh children per batch after crashes
+JOBS = max(int(os.environ.get("CSP_LAYOUT_JOBS", "1")), 1)  # batches (child processes) at once
 # Generation only inspects torch's signatures: nothing here touches CUDA at collection.
 BATCHES = layouts.split(layouts.generate(EXAMPLES, SEED, layouts.capabilities("cuda"), VARIANTS), BATCH)
-_STARTED: list[float] = []
+NAME = "test_generated_layouts_agree_with_native"
+
+
+@pytest.fixture(scope="module")
+def batch_runs(request, tmp_path_factory):
+    """Every selected batch, started ``JOBS`` at a time in threads that wait on their children: index
+    -> a future of its ``BatchResult`` (None when the deadline passed before it started)."""
+    selected = sorted(item.callspec.params["index"] for item in request.session.items
+                      if item.originalname == NAME and hasattr(item, "callspec"))
+    start = time.monotonic()
+
+    def job(index):
+        left = DEADLINE - (time.monotonic() - start)
+        if left <= 0:
+            return None
+        workdir = tmp_path_factory.mktemp(f"batch{index}")
+        return run_batch(BATCHES[index], workdir, "cuda", timeout=min(BATCH_TIMEOUT, left), restarts=RESTARTS)
+
+    pool = ThreadPoolExecutor(max_workers=JOBS)
+    runs = {index: pool.submit(job, index) for index in selected}
+    yield runs
+    pool.shutdown(wait=True)
 
 
 def _outcomes(result) -> dict:
@@ -49,14 +74,12 @@ def _outcomes(result) -> dict:
 
 
 @pytest.mark.parametrize("index", range(len(BATCHES)), ids=[f"batch{i}" for i in range(len(BATCHES))])
-def test_generated_layouts_agree_with_native(index, tmp_path, record_property):
+def test_generated_layouts_agree_with_native(index, batch_runs, record_property):
     batch = BATCHES[index]
-    _STARTED[:] = _STARTED or [time.monotonic()]
-    left = DEADLINE - (time.monotonic() - _STARTED[0])
-    if left <= 0:
+    result = batch_runs[index].result()
+    if result is None:
         pytest.fail(f"batch {index} (configs {batch[0]['id']}..{batch[-1]['id']}) not run: the file's "
-                    f"{DEADLINE:.0f} s (CSP_LAYOUT_DEADLINE) are spent")
-    result = run_batch(batch, tmp_path, "cuda", timeout=min(BATCH_TIMEOUT, left), restarts=RESTARTS)
+                    f"{DEADLINE:.0f} s (CSP_LAYOUT_DEADLINE) were spent before it started")
     record_property("layout_configs_ok", len(result.ok))
     record_property("layout_batch_seconds", round(result.seconds, 1))
     record_property("layout_outcomes", json.dumps(_outcomes(result)))
