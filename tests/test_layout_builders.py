@@ -354,3 +354,38 @@ def test_lifecycle_rule_and_result_parsing():
     assert ls.parse(f"noise\n{ls.MARK}{{\"a\": 1}}\n{ls.MARK}{{\"a\": 2}}\n") == {"a": 2}
     with pytest.raises(ValueError):
         ls.parse("Traceback ...")
+
+
+def _scaled(monkeypatch, native=1.0, provider=1.0, api="sdpa"):
+    """``api``'s case with native's and the provider's outputs multiplied by these factors (a kernel
+    that misreads)."""
+    real = layout_runner.CASES[api]
+
+    def times(call, factor):
+        def wrong():
+            out, lse = call()
+            return out * factor, lse
+        return wrong
+
+    def case(cfg, ops):
+        made = real(cfg, ops)
+        return layout_runner.Case(made.paths, times(made.provider, provider), times(made.native, native),
+                                  made.in_scope, made.reference, made.low, made.rule, made.native_strides)
+
+    monkeypatch.setitem(layout_runner.CASES, api, case)
+
+
+def test_a_native_that_misreads_is_noted_and_not_the_tolerance(monkeypatch):
+    _scaled(monkeypatch, native=3.0)
+    outcome = layout_runner.run_config(_dense(), "cpu")
+    assert "native misread this layout (out)" in outcome and "dense_fwd=" in outcome
+
+
+def test_a_wrong_provider_is_caught_even_where_native_misreads(monkeypatch):
+    _scaled(monkeypatch, native=3.0, provider=1.05, api="attention")
+    with pytest.raises(AssertionError, match=r"out: max\|err\|"):
+        layout_runner.run_config(_dense(api="attention", window="none", window_w=16), "cpu")
+
+
+def test_a_native_within_the_rule_is_the_base():
+    assert "misread" not in layout_runner.run_config(_dense(), "cpu")

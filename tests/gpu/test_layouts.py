@@ -53,14 +53,15 @@ def batch_runs(request, tmp_path_factory):
     -> a future of its ``BatchResult`` (None when the deadline passed before it started)."""
     selected = sorted(item.callspec.params["index"] for item in request.session.items
                       if item.originalname == NAME and hasattr(item, "callspec"))
+    workdirs = {index: tmp_path_factory.mktemp(f"batch{index}") for index in selected}  # not thread-safe
     start = time.monotonic()
 
     def job(index):
         left = DEADLINE - (time.monotonic() - start)
         if left <= 0:
             return None
-        workdir = tmp_path_factory.mktemp(f"batch{index}")
-        return run_batch(BATCHES[index], workdir, "cuda", timeout=min(BATCH_TIMEOUT, left), restarts=RESTARTS)
+        return run_batch(BATCHES[index], workdirs[index], "cuda", timeout=min(BATCH_TIMEOUT, left),
+                         restarts=RESTARTS)
 
     pool = ThreadPoolExecutor(max_workers=JOBS)
     runs = {index: pool.submit(job, index) for index in selected}
