@@ -12,8 +12,9 @@ provider, and checks, raising AssertionError with every mismatch it found:
   with NaN first on CUDA);
 * strides of out and every gradient equal native's (same backend as the provider's scope selects),
   or where native did not run, what the fake / meta kernels say; dims of size 1 are ignored;
-  native reads a misaligned grad_out from an aligned copy with the same strides (its kernels fault
-  on the original), and a CUDA error in native's run is named as native's, not the provider's;
+  native reads operands whose base or strides are not 16-byte aligned from aligned copies with the
+  same strides (its kernels fault on the originals or misread them), and a CUDA error in native's
+  run is named as native's, not the provider's;
 * counters: the provider's call counts exactly one forward and one backward on its path, served or
   fallback with a catalogued reason, never neither; the native call counts nothing;
 * dropout (masks differ between kernels): forward/backward consistency, <dV, V> = <dO, O> and
@@ -351,18 +352,27 @@ def _run(fn, ops, seed: int, scope: bool, bwd_in_scope: bool = True) -> Result:
     return result
 
 
+def _moved(t: torch.Tensor) -> torch.Tensor:
+    """The same values, sizes and strides in a fresh 16-byte-aligned storage (strides may be 0)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))  # the storage ``t`` reads
+    region = t.detach().as_strided((span,), (1,), t.storage_offset())
+    return torch.empty(span, dtype=t.dtype, device=t.device).copy_(region).as_strided(t.shape, t.stride(), 0)
+
+
 def _for_native(ops):
-    """The operands for native's run: the same tensors, except a grad_out whose base or strides are not
-    16-byte aligned becomes an aligned copy with the same strides. Native's backward kernels
-    (FlashAttention, cuDNN) launch on it unchecked and fault with "misaligned address" (seen on the
-    H200), while the provider copies such a grad_out; the gradients are the same values either way."""
-    go = ops.go
-    if _vector_aligned(go):
+    """The operands for native's run: ``ops`` itself, or where q, k, v or grad_out has a base or a
+    stride that is not 16-byte aligned, the same values, sizes and strides in aligned storage (q, k, v
+    as leaves, so native's gradients keep its kernel's strides; an aliased q is k stays one tensor).
+    Native's kernels launch on such operands unchecked: FlashAttention and the backward fault with
+    "misaligned address" (fatal to the process) and cuDNN can read them wrongly (seen on the H200);
+    the provider copies them. The values, and so the results, are the same either way."""
+    if all(_vector_aligned(t) for t in (ops.q, ops.k, ops.v, ops.go)):
         return ops
-    span = 1 + sum((n - 1) * s for n, s in zip(go.shape, go.stride()))  # the storage go reads (strides may be 0)
-    region = go.as_strided((span,), (1,), go.storage_offset())
-    moved = torch.empty(span, dtype=go.dtype, device=go.device).copy_(region).as_strided(go.shape, go.stride(), 0)
-    return dataclasses.replace(ops, go=moved)
+    moved = {}
+    for t in ops.inputs:
+        moved[id(t)] = t if _vector_aligned(t) else _moved(t).requires_grad_(t.requires_grad)
+    go = ops.go if _vector_aligned(ops.go) else _moved(ops.go)
+    return dataclasses.replace(ops, q=moved[id(ops.q)], k=moved[id(ops.k)], v=moved[id(ops.v)], go=go)
 
 
 def _context_lost(error) -> bool:
@@ -524,7 +534,9 @@ def run_config(cfg: dict, device) -> str:
     """Run one configuration; raise AssertionError naming every mismatch; return what was counted."""
     ops = layouts.build(cfg, device)
     case = CASES[cfg["api"]](cfg, ops)
-    native = _run(case.native, _for_native(ops), cfg["seed"], scope=False) if case.native is not None else None
+    theirs = _for_native(ops)
+    native_call = case.native if theirs is ops else CASES[cfg["api"]](cfg, theirs).native
+    native = _run(native_call, theirs, cfg["seed"], scope=False) if native_call is not None else None
     if native is not None and (native.fault is not None or _context_lost(native.error)):
         raise AssertionError(f"native PyTorch faulted on this layout before the provider ran (a harness fault: "
                              f"give native operands it can read): {(native.fault or native.error)!r}")

@@ -152,12 +152,25 @@ def test_native_reads_a_misaligned_grad_out_from_an_aligned_copy_with_its_stride
     if kind == "broadcast":  # a stride-0 grad_out one element in: copied as the storage it reads
         base = torch.randn(1 + ops.go.numel())
         ops.go = base[1:].as_strided(ops.go.shape, ops.go.stride())
-    theirs = layout_runner._for_native(ops).go
+    theirs = layout_runner._for_native(ops)
     if layout_runner._vector_aligned(ops.go):
-        assert theirs is ops.go
+        assert theirs is ops
         return
-    assert theirs.data_ptr() % 16 == 0 and theirs.stride() == ops.go.stride() and torch.equal(theirs, ops.go)
-    assert theirs.data_ptr() != ops.go.data_ptr()
+    assert theirs.go.data_ptr() % 16 == 0 and theirs.go.stride() == ops.go.stride()
+    assert torch.equal(theirs.go, ops.go) and theirs.go.data_ptr() != ops.go.data_ptr()
+    assert theirs.q is ops.q and theirs.k is ops.k and theirs.v is ops.v  # aligned operands stay
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_native_reads_misaligned_operands_from_aligned_leaves_and_aliases_stay_one(varlen):
+    cfg = _varlen(offsets=[1, 0, 0], group="alias_qk") if varlen else _dense(offsets=[1, 0, 0], group="alias_qk", s_kv=32)
+    ops = layouts.build(cfg, "cpu")
+    theirs = layout_runner._for_native(ops)
+    assert ops.q is ops.k and theirs.q is theirs.k and theirs.q is not ops.q
+    assert theirs.q.data_ptr() % 16 == 0 and theirs.q.stride() == ops.q.stride() and torch.equal(theirs.q, ops.q)
+    assert theirs.q.is_leaf and theirs.q.requires_grad and len(theirs.inputs) == len(ops.inputs)
+    assert theirs.v is ops.v or layout_runner._vector_aligned(theirs.v)
+    layout_runner.run_config(cfg, "cpu")  # native on the copies, the provider on the originals: they agree
 
 
 def test_varlen_col_grad_out():
