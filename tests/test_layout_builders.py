@@ -152,10 +152,11 @@ def test_native_reads_a_misaligned_grad_out_from_an_aligned_copy_with_its_stride
     if kind == "broadcast":  # a stride-0 grad_out one element in: copied as the storage it reads
         base = torch.randn(1 + ops.go.numel())
         ops.go = base[1:].as_strided(ops.go.shape, ops.go.stride())
-    theirs = layout_runner._for_native(ops)
+    theirs, relaid = layout_runner._for_native(ops)
     if layout_runner._vector_aligned(ops.go):
-        assert theirs is ops
+        assert theirs is ops and not relaid
         return
+    assert not relaid
     assert theirs.go.data_ptr() % 16 == 0 and theirs.go.stride() == ops.go.stride()
     assert torch.equal(theirs.go, ops.go) and theirs.go.data_ptr() != ops.go.data_ptr()
     assert theirs.q is ops.q and theirs.k is ops.k and theirs.v is ops.v  # aligned operands stay
@@ -165,12 +166,42 @@ def test_native_reads_a_misaligned_grad_out_from_an_aligned_copy_with_its_stride
 def test_native_reads_misaligned_operands_from_aligned_leaves_and_aliases_stay_one(varlen):
     cfg = _varlen(offsets=[1, 0, 0], group="alias_qk") if varlen else _dense(offsets=[1, 0, 0], group="alias_qk", s_kv=32)
     ops = layouts.build(cfg, "cpu")
-    theirs = layout_runner._for_native(ops)
-    assert ops.q is ops.k and theirs.q is theirs.k and theirs.q is not ops.q
+    theirs, relaid = layout_runner._for_native(ops)
+    assert not relaid and ops.q is ops.k and theirs.q is theirs.k and theirs.q is not ops.q
     assert theirs.q.data_ptr() % 16 == 0 and theirs.q.stride() == ops.q.stride() and torch.equal(theirs.q, ops.q)
     assert theirs.q.is_leaf and theirs.q.requires_grad and len(theirs.inputs) == len(ops.inputs)
     assert theirs.v is ops.v or layout_runner._vector_aligned(theirs.v)
     layout_runner.run_config(cfg, "cpu")  # native on the copies, the provider on the originals: they agree
+
+
+def test_native_reads_rows_that_are_not_16_byte_aligned_from_padded_copies():
+    ops = layouts.build(_dense(q="slice_lo", wide=4, s_kv=32), "cpu")  # rows of D + 4 elements
+    assert not layout_runner._vector_aligned(ops.q)
+    theirs, relaid = layout_runner._for_native(ops)
+    assert relaid == {"dq"} and layout_runner._vector_aligned(theirs.q) and torch.equal(theirs.q, ops.q)
+    assert theirs.q.is_leaf and theirs.q.requires_grad and theirs.k is ops.k
+    outcome = layout_runner.run_config(_dense(q="slice_lo", wide=4, s_kv=32), "cpu")  # strides from the rule
+    assert "dense_fwd=" in outcome
+
+
+def test_a_provider_error_native_also_raises_on_the_same_operands_is_not_a_failure(monkeypatch):
+    """Native ran on aligned copies; the provider's call, on the originals, raised what native raises
+    on them (PyTorch's efficient kernel refuses a misaligned q): both raise, not a failure."""
+    real = layout_runner._sdpa_case
+
+    def case(cfg, ops):
+        made = real(cfg, ops)
+
+        def picky():
+            if not layout_runner._vector_aligned(ops.q):
+                raise RuntimeError("p.query_ptr is not correctly aligned")
+            return made.native()
+
+        return layout_runner.Case(made.paths, picky, picky, made.in_scope, made.reference, made.low, made.rule)
+
+    monkeypatch.setitem(layout_runner.CASES, "sdpa", case)
+    assert "both raise RuntimeError on these operands" in layout_runner.run_config(_dense(offsets=[1, 0, 0]), "cpu")
+    assert "dense_fwd=" in layout_runner.run_config(_dense(), "cpu")
 
 
 def test_varlen_col_grad_out():
