@@ -15,8 +15,9 @@ Budget: about 0.5 s per configuration in one child on an H200 (configurations co
 ``CSP_LAYOUT_VARIANTS`` that share their graphs, so builds are shared), plus a child's start-up;
 ``CSP_LAYOUT_JOBS`` batches run at once (each its own child process, so one's crash cannot touch
 another). A batch may take ``CSP_LAYOUT_BATCH_TIMEOUT`` seconds and ``CSP_LAYOUT_RESTARTS`` fresh
-children after crashes; no batch starts after ``CSP_LAYOUT_DEADLINE`` seconds, and those are failed
-as not run. Only the batches pytest selected (``-k batch3``) run.
+children after crashes; the file stops at ``CSP_LAYOUT_DEADLINE`` seconds: a batch still running
+then is cut (its configurations not reached are "not run"), one not started fails. Only the batches
+pytest selected (``-k batch3``) run.
 """
 
 from __future__ import annotations
