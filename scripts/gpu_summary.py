@@ -42,27 +42,39 @@ def machine():
     return info
 
 
+def _config_id(rest: str):
+    """The "id" of the JSON configuration a log line starts with, or None (a line a dying child did
+    not finish, or a configuration without an id)."""
+    try:
+        cfg, _ = json.JSONDecoder().raw_decode(rest)
+    except ValueError:
+        return None
+    return cfg.get("id") if isinstance(cfg, dict) else None
+
+
 def fuzz_counts(path):
     """{kind: {"ok": n, "FAIL": n}} from a CSP_FUZZ_LOG file (one line per configuration tried;
     hypothesis's shrinking of a failure adds FAIL lines). Kinds that write "START" before each
-    configuration (the layout batches, tests/layout_batches.py) also get "crash": the STARTs that no
-    ok/FAIL line ended, because the process died on them (configurations of a kind run one at a
-    time, so the next line of the kind ends a START or shows it crashed)."""
-    counts, open_start = {}, {}
+    configuration (the layout batches, tests/layout_batches.py) also get "crash": the configurations
+    whose START no ok/FAIL line of the same id ended, because the process died on them. Lines are
+    paired by id, so children that run at once and interleave their lines are counted right."""
+    counts, started = {}, {}
     with open(path) as f:
         for line in f:
-            kind, status = line.split(" ", 2)[:2]
+            parts = line.rstrip("\n").split(" ", 2)
+            if len(parts) < 2:
+                continue
+            kind, status = parts[:2]
+            cid = _config_id(parts[2]) if len(parts) > 2 else None
             bucket = counts.setdefault(kind, {})
             if status == "START":
                 bucket.setdefault("crash", 0)
-                bucket["crash"] += open_start.get(kind, False)
-                open_start[kind] = True
+                started.setdefault(kind, set()).add(cid)
                 continue
-            if kind in open_start:
-                open_start[kind] = False
+            started.get(kind, set()).discard(cid)
             bucket[status] = bucket.get(status, 0) + 1
-    for kind, still_open in open_start.items():
-        counts[kind]["crash"] += still_open
+    for kind, still_open in started.items():
+        counts[kind]["crash"] += len(still_open)
     return counts
 
 

@@ -34,13 +34,13 @@ def test_counts_junit_and_fuzz_lines(tmp_path):
 
 
 def test_layout_lines_count_ok_fail_and_crashes(tmp_path):
-    """A START that the next line of its kind does not end (ok / FAIL) is a crash: the child died on it
-    and a fresh one resumed after it; one still open at the end of the log crashed too."""
+    """A START that no ok / FAIL line of its id ends is a crash: the child died on it and a fresh one
+    resumed after it; one still open at the end of the log crashed too."""
     (tmp_path / "fuzz-1.32.0.log").write_text("".join([
         'layouts START {"id": 0}\n', 'layouts ok {"id": 0} dense_fwd=served dense_bwd=served\n',
         'layouts START {"id": 1}\n', 'dense ok {\'b\': 1}\n',  # another kind in between changes nothing
         'layouts FAIL {"id": 1} AssertionError: dq: max|err|/max|ref| = 1.1e+00\n',
-        'layouts START {"id": 2}\n',  # crashed: the next START comes first
+        'layouts START {"id": 2}\n',  # crashed: never ended
         'layouts START {"id": 3}\n', 'layouts ok {"id": 3} varlen_fwd=served varlen_bwd=served\n',
         'layouts START {"id": 4}\n',  # crashed: the log ends
     ]))
@@ -49,3 +49,17 @@ def test_layout_lines_count_ok_fail_and_crashes(tmp_path):
     assert done.returncode == 0, done.stderr
     counts = json.loads(done.stdout)["frontends"]["1.32.0"]["fuzz_configs"]
     assert counts == {"layouts": {"ok": 2, "FAIL": 1, "crash": 2}, "dense": {"ok": 1}}
+
+
+def test_layout_lines_of_children_running_at_once_are_paired_by_id(tmp_path):
+    """Batches run side by side (CSP_LAYOUT_JOBS) interleave their lines in one log."""
+    (tmp_path / "fuzz-1.32.0.log").write_text("".join([
+        'layouts START {"id": 0}\n', 'layouts START {"id": 125}\n', 'layouts ok {"id": 125} x\n',
+        'layouts START {"id": 126}\n', 'layouts ok {"id": 0} y\n', 'layouts START {"id": 1}\n',
+        'layouts FAIL {"id": 1} AssertionError: z\n',  # 126 never ends: the one crash
+    ]))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["frontends"]["1.32.0"]["fuzz_configs"] == {
+        "layouts": {"ok": 2, "FAIL": 1, "crash": 1}}
