@@ -180,28 +180,45 @@ def test_native_reads_rows_that_are_not_16_byte_aligned_from_padded_copies():
     theirs, relaid = layout_runner._for_native(ops)
     assert relaid == {"dq"} and layout_runner._vector_aligned(theirs.q) and torch.equal(theirs.q, ops.q)
     assert theirs.q.is_leaf and theirs.q.requires_grad and theirs.k is ops.k
-    outcome = layout_runner.run_config(_dense(q="slice_lo", wide=4, s_kv=32), "cpu")  # strides from the rule
-    assert "dense_fwd=" in outcome
+    outcome = layout_runner.run_config(_dense(q="slice_lo", wide=4, s_kv=32), "cpu")
+    assert "dense_fwd=" in outcome  # on the CPU the provider falls back: no stride oracle for dq
 
 
-def test_a_provider_error_native_also_raises_on_the_same_operands_is_not_a_failure(monkeypatch):
-    """Native ran on aligned copies; the provider's call, on the originals, raised what native raises
-    on them (PyTorch's efficient kernel refuses a misaligned q): both raise, not a failure."""
+def _picky_sdpa(monkeypatch, count_fallback: bool):
+    """The sdpa case with a native kernel that refuses a misaligned q (as PyTorch's efficient kernel
+    does), reached by the provider's call as a counted fallback or not."""
     real = layout_runner._sdpa_case
 
     def case(cfg, ops):
         made = real(cfg, ops)
 
-        def picky():
-            if not layout_runner._vector_aligned(ops.q):
-                raise RuntimeError("p.query_ptr is not correctly aligned")
-            return made.native()
+        def picky(provider):
+            def call():
+                if not layout_runner._vector_aligned(ops.q):
+                    if provider and count_fallback:
+                        counters.record("dense_fwd", "torch_selection")
+                    raise RuntimeError("p.query_ptr is not correctly aligned")
+                return made.native()
+            return call
 
-        return layout_runner.Case(made.paths, picky, picky, made.in_scope, made.reference, made.low, made.rule)
+        return layout_runner.Case(made.paths, picky(True), picky(False), made.in_scope, made.reference, made.low,
+                                  made.rule)
 
     monkeypatch.setitem(layout_runner.CASES, "sdpa", case)
+
+
+def test_a_provider_error_native_also_raises_on_the_same_operands_is_not_a_failure(monkeypatch):
+    """Native ran on aligned copies; the provider's call, on the originals, fell back to a native
+    kernel that raised what native raises on them: both raise, not a failure."""
+    _picky_sdpa(monkeypatch, count_fallback=True)
     assert "both raise RuntimeError on these operands" in layout_runner.run_config(_dense(offsets=[1, 0, 0]), "cpu")
     assert "dense_fwd=" in layout_runner.run_config(_dense(), "cpu")
+
+
+def test_a_provider_error_without_a_fallback_is_a_failure_even_if_native_raises_alike(monkeypatch):
+    _picky_sdpa(monkeypatch, count_fallback=False)  # the provider's own code raised
+    with pytest.raises(AssertionError, match="the provider raised RuntimeError"):
+        layout_runner.run_config(_dense(offsets=[1, 0, 0]), "cpu")
 
 
 def test_varlen_col_grad_out():
@@ -340,6 +357,33 @@ def test_dropout_identities_catch_a_backward_with_another_mask():
         grads = [g.to(q.dtype) for g in reference.dense_backward(ops.go, q, k, v, dropout_mask=mask, **kw)[:3]]
         gaps = layout_runner._identity_gaps(ops, layout_runner.Result(out=out, grads=grads), torch.bfloat16)
         assert (not gaps) == consistent, gaps
+
+
+def test_a_provider_without_dropout_is_caught_even_where_native_breaks_an_identity():
+    """The identities hold for any mask, no mask included: the distance from the dropout-free
+    output is what shows dropout was applied, and it is compared whatever native's identities say."""
+    cfg = _dense(dropout_p=0.25, s_kv=32)
+    ops = layouts.build(cfg, "cpu")
+    case = layout_runner._sdpa_case(cfg, ops)
+    native = layout_runner._run(case.native, ops, cfg["seed"], scope=False)
+    native.grads[-1] = native.grads[-1] * 1.5  # dV off: native "misread" the layout
+    q, k, v = (t.detach() for t in (ops.q, ops.k, ops.v))
+    kw = dict(scale=1 / math.sqrt(64))
+    out = reference.dense(q, k, v, **kw)[0].to(q.dtype)  # the provider forgot dropout, consistently
+    grads = [g.to(q.dtype) for g in reference.dense_backward(ops.go, q, k, v, **kw)[:3]]
+    got = layout_runner.Result(out=out, grads=grads)
+    problems, notes = [], []
+    layout_runner._check_dropout(problems, cfg, ops, got, native, case, notes)
+    assert any(p.startswith("dropout: rms") for p in problems), problems
+    assert notes and "native broke a dropout identity" in notes[0]
+
+
+def test_strides_are_checked_where_native_read_padded_copies(monkeypatch):
+    monkeypatch.setattr(csp_layout, "grad_like", lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device))
+    cfg = _dense(api="attention", q="slice_lo", k="bshd", wide=4, window="none", window_w=16, s_kv=32)
+    assert layout_runner._for_native(layouts.build(cfg, "cpu"))[1] == {"dq"}
+    with pytest.raises(AssertionError, match=r"dk: strides .* fake kernels"):
+        layout_runner.run_config(cfg, "cpu")
 
 
 # --------------------------------------------------------------------------------- child processes
