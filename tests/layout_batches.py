@@ -18,6 +18,7 @@ import resource
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 if __name__ == "__main__" and os.environ.get("CSP_UNDER_TEST"):
@@ -28,7 +29,7 @@ import torch  # noqa: E402
 
 from tests.layout_runner import run_config  # noqa: E402
 
-__all__ = ["BatchResult", "run_batch", "log_line", "main", "CONTEXT_LOST"]
+__all__ = ["BatchResult", "Batches", "run_batch", "log_line", "main", "CONTEXT_LOST"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONTEXT_LOST = 3  # the child's exit code after a CUDA error that poisons the context
@@ -156,6 +157,34 @@ def run_batch(configs, workdir, device, timeout: float, restarts: int = 2, kind:
     result.not_run = [c["id"] for c in pending]
     result.seconds = time.monotonic() - start
     return result
+
+
+class Batches:
+    """Batches of configurations run ``jobs`` at a time, each in its own child (``run_batch``), from
+    threads that only wait on their children. ``result(i)`` waits for batch ``i``: its
+    ``BatchResult``, or None when ``deadline`` seconds (counted from the start) had passed before it
+    started; a batch that starts gets at most the time left to the deadline. ``close()`` cancels
+    the batches not started yet and waits for those running."""
+
+    def __init__(self, batches: dict, workdirs: dict, device, *, jobs: int, deadline: float, batch_timeout: float,
+                 restarts: int, kind: str = "layouts"):
+        self._start = time.monotonic()
+        self._pool = ThreadPoolExecutor(max_workers=max(jobs, 1))
+
+        def job(index):
+            left = deadline - (time.monotonic() - self._start)
+            if left <= 0:
+                return None
+            return run_batch(batches[index], workdirs[index], device, timeout=min(batch_timeout, left),
+                             restarts=restarts, kind=kind)
+
+        self._runs = {index: self._pool.submit(job, index) for index in sorted(batches)}
+
+    def result(self, index):
+        return self._runs[index].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from cudnn_sdpa_provider import counters, reference
 from cudnn_sdpa_provider import layout as csp_layout
 from tests import layout_runner, layouts
-from tests.layout_batches import run_batch
+from tests.layout_batches import Batches, run_batch
 
 SMALL = {"dense": ((2, 4, 4, 32, 32), (1, 4, 2, 16, 48), (2, 2, 2, 1, 40)), "varlen": ((20, 12), (5, 30, 9))}
 CPU = layouts.capabilities("cpu")
@@ -477,3 +477,19 @@ def test_a_wrong_provider_is_caught_even_where_native_misreads(monkeypatch):
 
 def test_a_native_within_the_rule_is_the_base():
     assert "misread" not in layout_runner.run_config(_dense(), "cpu")
+
+
+def test_batches_run_side_by_side_and_a_deadline_stops_those_not_started(tmp_path):
+    configs = layouts.generate(6, 5, CPU, sizes=SMALL)
+    batches = {0: configs[:2], 1: configs[2:4], 2: configs[4:]}
+    dirs = {i: tmp_path / f"b{i}" for i in batches}
+    for d in dirs.values():
+        d.mkdir()
+    runs = Batches(batches, dirs, "cpu", jobs=2, deadline=600, batch_timeout=120, restarts=0)
+    try:
+        assert [sorted(runs.result(i).ok) for i in batches] == [[c["id"] for c in b] for b in batches.values()]
+    finally:
+        runs.close()
+    late = Batches(batches, dirs, "cpu", jobs=1, deadline=0, batch_timeout=120, restarts=0)
+    assert [late.result(i) for i in batches] == [None, None, None]
+    late.close()

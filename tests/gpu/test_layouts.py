@@ -27,13 +27,11 @@ from __future__ import annotations
 import collections
 import json
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests import layouts
-from tests.layout_batches import run_batch
+from tests.layout_batches import Batches
 
 pytestmark = pytest.mark.gpu
 
@@ -52,24 +50,14 @@ NAME = "test_generated_layouts_agree_with_native"
 
 @pytest.fixture(scope="module")
 def batch_runs(request, tmp_path_factory):
-    """Every selected batch, started ``JOBS`` at a time in threads that wait on their children: index
-    -> a future of its ``BatchResult`` (None when the deadline passed before it started)."""
+    """Every selected batch, ``JOBS`` at a time (tests/layout_batches.py ``Batches``)."""
     selected = sorted(item.callspec.params["index"] for item in request.session.items
                       if item.originalname == NAME and hasattr(item, "callspec"))
     workdirs = {index: tmp_path_factory.mktemp(f"batch{index}") for index in selected}  # not thread-safe
-    start = time.monotonic()
-
-    def job(index):
-        left = DEADLINE - (time.monotonic() - start)
-        if left <= 0:
-            return None
-        return run_batch(BATCHES[index], workdirs[index], "cuda", timeout=min(BATCH_TIMEOUT, left),
-                         restarts=RESTARTS)
-
-    pool = ThreadPoolExecutor(max_workers=JOBS)
-    runs = {index: pool.submit(job, index) for index in selected}
+    runs = Batches({index: BATCHES[index] for index in selected}, workdirs, "cuda", jobs=JOBS, deadline=DEADLINE,
+                   batch_timeout=BATCH_TIMEOUT, restarts=RESTARTS)
     yield runs
-    pool.shutdown(wait=True, cancel_futures=True)  # after -x or ^C, batches not started never start
+    runs.close()  # after -x or ^C, batches not started never start
 
 
 def _outcomes(result) -> dict:
@@ -80,7 +68,7 @@ def _outcomes(result) -> dict:
 @pytest.mark.parametrize("index", range(len(BATCHES)), ids=[f"batch{i}" for i in range(len(BATCHES))])
 def test_generated_layouts_agree_with_native(index, batch_runs, record_property):
     batch = BATCHES[index]
-    result = batch_runs[index].result()
+    result = batch_runs.result(index)
     if result is None:
         pytest.fail(f"batch {index} (configs {batch[0]['id']}..{batch[-1]['id']}) not run: the file's "
                     f"{DEADLINE:.0f} s (CSP_LAYOUT_DEADLINE) were spent before it started")
