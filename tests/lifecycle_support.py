@@ -1,7 +1,7 @@
 """Helpers of the lifecycle scripts (tests/gpu/test_lifecycles.py), which run in child processes.
 
 A script reports one JSON object on a line of its own (``emit``); the parent judges it with
-``rule_problems`` (the FlashAttention rule, as tests/layout_runner.py applies it) and plain
+``rule_problems`` (the FlashAttention rule, as tests/layout_checks.py applies it) and plain
 comparisons. Nothing here touches CUDA at import; ``DEV`` (default ``cuda``) can be set with
 CSP_LIFECYCLE_DEVICE to dry-run a script's structure on CPU.
 """
@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from cudnn_sdpa_provider import counters
-from tests.layout_runner import FLOOR
+from tests.layout_checks import FLOOR
 from tests.util import rel_error
 
 __all__ = ["DEV", "MARK", "emit", "parse", "counted", "errors", "step", "sync", "noise_tol", "rule_problems", "layout",

@@ -18,7 +18,7 @@ import torch
 
 from cudnn_sdpa_provider import counters, reference
 from cudnn_sdpa_provider import layout as csp_layout
-from tests import layout_runner, layouts
+from tests import layout_checks, layout_runner, layouts
 from tests.layout_batches import Batches, run_batch
 
 SMALL = {"dense": ((2, 4, 4, 32, 32), (1, 4, 2, 16, 48), (2, 2, 2, 1, 40)), "varlen": ((20, 12), (5, 30, 9))}
@@ -355,7 +355,7 @@ def test_dropout_identities_catch_a_backward_with_another_mask():
     out = reference.dense(q, k, v, dropout_mask=masks[0], **kw)[0].to(q.dtype)
     for mask, consistent in ((masks[0], True), (masks[1], False)):
         grads = [g.to(q.dtype) for g in reference.dense_backward(ops.go, q, k, v, dropout_mask=mask, **kw)[:3]]
-        gaps = layout_runner._identity_gaps(ops, layout_runner.Result(out=out, grads=grads), torch.bfloat16)
+        gaps = layout_checks.identity_gaps(ops, layout_runner.Result(out=out, grads=grads), torch.bfloat16)
         assert (not gaps) == consistent, gaps
 
 
@@ -373,7 +373,7 @@ def test_a_provider_without_dropout_is_caught_even_where_native_breaks_an_identi
     grads = [g.to(q.dtype) for g in reference.dense_backward(ops.go, q, k, v, **kw)[:3]]
     got = layout_runner.Result(out=out, grads=grads)
     problems, notes = [], []
-    layout_runner._check_dropout(problems, cfg, ops, got, native, case, notes)
+    layout_checks.check_dropout(problems, cfg, ops, got, native, case, notes)
     assert any(p.startswith("dropout: rms") for p in problems), problems
     assert notes and "native broke a dropout identity" in notes[0]
 
