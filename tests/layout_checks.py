@@ -17,7 +17,8 @@ FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # as tests/gpu/test_reliabi
 #: The LSE is fp32 of the same low-precision inputs everywhere; only the accumulation order differs.
 LSE_FLOOR = 1e-4
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-#: How many rounding-noise estimates a dropout identity may be off (the native kernel must pass too).
+#: How many rounding-noise estimates a dropout identity may be off (both kernels are checked; native
+#: alone off, the provider within, is noted as native misreading the layout).
 IDENTITY_SIGMAS = 8
 #: Native's error over this many times the composite's (and the floor) means native misread the layout.
 MISREAD = 4

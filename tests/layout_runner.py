@@ -16,7 +16,8 @@ provider, and checks, raising AssertionError with every mismatch it found:
   strides where only the base is off; rows padded to 16 bytes where an outer stride is not aligned:
   its kernels fault on the originals or misread them), and then the fake kernels are the stride
   oracle where the provider served; a CUDA error in native's run is named as native's; a native
-  result over ``layout_checks.MISREAD`` x the composite's error is noted and the composite is the base instead;
+  result over ``layout_checks.MISREAD`` x the composite's error is noted, and the composite is the
+  base instead;
 * counters: the provider's call counts exactly one forward and one backward on its path, served or
   fallback with a catalogued reason, never neither; the native call counts nothing;
 * dropout (masks differ between kernels): forward/backward consistency, <dV, V> = <dO, O> and

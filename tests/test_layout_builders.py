@@ -164,7 +164,8 @@ def test_native_reads_a_misaligned_grad_out_from_an_aligned_copy_with_its_stride
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_native_reads_misaligned_operands_from_aligned_leaves_and_aliases_stay_one(varlen):
-    cfg = _varlen(offsets=[1, 0, 0], group="alias_qk") if varlen else _dense(offsets=[1, 0, 0], group="alias_qk", s_kv=32)
+    alias = dict(offsets=[1, 0, 0], group="alias_qk")
+    cfg = _varlen(**alias) if varlen else _dense(**alias, s_kv=32)
     ops = layouts.build(cfg, "cpu")
     theirs, relaid = layout_runner._for_native(ops)
     assert not relaid and ops.q is ops.k and theirs.q is theirs.k and theirs.q is not ops.q
