@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ALIGN", "dense_out", "packed_out", "grad_like", "packed", "usable", "packed_usable", "repaired",
+__all__ = ["ALIGN", "misaligned", "for_native", "dense_out", "packed_out", "grad_like", "packed", "usable", "packed_usable", "repaired",
            "packed_repaired", "strides_usable"]
 
 ALIGN = _ALIGN = 16
@@ -125,3 +125,23 @@ def repaired(t: torch.Tensor) -> torch.Tensor:
     out = _aligned_empty(t)
     out.copy_(t)
     return out
+
+
+def misaligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s base, or a row (an outer stride, with the head dim innermost), is not 16-byte
+    aligned. PyTorch's own attention kernels launch on such operands unchecked; its cuDNN path
+    misread them and its kernels faulted on some (GPU runs 21-24: docs/troubleshooting.md)."""
+    if t.numel() == 0:
+        return False
+    if t.data_ptr() % _ALIGN:
+        return True
+    if t.stride(-1) != 1:
+        return False
+    item = t.element_size()
+    return any((st * item) % _ALIGN for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1 and st != 0)
+
+
+def for_native(t: torch.Tensor) -> torch.Tensor:
+    """What a fallback hands PyTorch's cuDNN kernel: ``t`` itself, or where ``misaligned``, a copy
+    in ``t``'s dimension order with 16-byte-aligned rows (``repaired``)."""
+    return repaired(t) if misaligned(t) else t

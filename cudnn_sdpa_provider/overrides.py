@@ -4,7 +4,8 @@ Served (our cuDNN graphs, ``dense`` / ``packed``), through ``route``:
   aten::_scaled_dot_product_cudnn_attention (+ _backward)   CUDA   -> dense_fwd / dense_bwd
   torch_attn::_varlen_attn (+ _backward, _varlen_attn_out)   CUDA   -> varlen_fwd / varlen_bwd
 Each falls back to the kernel it replaced (fetched with ``torch.library.get_kernel`` before the
-override is registered), so a fallback is PyTorch's own C++ path, bit-exact with native.
+override is registered), so a fallback is PyTorch's own C++ path, bit-exact with native; the cuDNN
+op's fallback gets copies of operands whose base or rows are not 16-byte aligned (``layout.for_native``).
 
 Counted only (every other backend PyTorch's selector can pick; the original kernel runs):
   aten::_scaled_dot_product_{efficient,flash}_attention (+ _backward)  CUDA
@@ -23,7 +24,7 @@ import warnings
 
 import torch
 
-from . import arguments, dense, markers, packed, route, rows, scope, support
+from . import arguments, dense, layout, markers, packed, route, rows, scope, support
 from .binding import tensor_key
 from .route import describe_call
 
@@ -103,8 +104,9 @@ class _Dense:
             seed, offset = _unused_philox(query.device) if philox is None else (philox[0], philox[2])
             return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, None
 
-        def native(reason):
-            result = self.fwd_original.call_boxed(keyset, query, key, value, attn_bias, compute_log_sumexp, dropout_p,
+        def native(reason):  # operands PyTorch's cuDNN kernel would misread are copied first
+            q, k, v = (layout.for_native(t) for t in (query, key, value))
+            result = self.fwd_original.call_boxed(keyset, q, k, v, attn_bias, compute_log_sumexp, dropout_p,
                                                   is_causal, return_debug_mask, scale=scale)
             if compute_log_sumexp:
                 _mark(result[1], markers.Record(served=False, reason=reason.slug))
@@ -116,14 +118,16 @@ class _Dense:
 
     def backward(self, keyset, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
                  cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
-        def native(reason=None):
-            return self.bwd_original.call_boxed(keyset, grad_out, query, key, value, out, logsumexp, philox_seed,
-                                                philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
-                                                dropout_p, is_causal, scale=scale)
+        def native(reason=None, fix=True):  # as the forward's fallback; ``fix=False``: as given
+            ops = (grad_out, query, key, value, out)
+            do, q, k, v, o = (layout.for_native(t) for t in ops) if fix else ops
+            return self.bwd_original.call_boxed(keyset, do, q, k, v, o, logsumexp, philox_seed, philox_offset,
+                                                attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                                scale=scale)
 
         record = markers.lookup(logsumexp)
-        if record is None:  # the forward ran outside the provider: not ours to count
-            return native()
+        if record is None:  # the forward ran outside the provider: not ours to count, nor to change
+            return native(fix=False)
         describe = lambda: describe_call(query=query, key=key, value=value, grad_out=grad_out,  # noqa: E731
                                          attn_bias=attn_bias, is_causal=is_causal, scale=scale)
         if not record.served:

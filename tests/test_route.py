@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, graphs, markers, overrides, reference, route, support
+from cudnn_sdpa_provider import counters, graphs, layout, markers, overrides, reference, route, support
 from tests import fake_cudnn
 from tests.util import assert_rel_close
 
@@ -209,3 +209,58 @@ def test_compiled_math_route_inside_enable_traces_without_reading_fake_tensors()
     want = F.scaled_dot_product_attention(q.detach(), q.detach(), q.detach(), is_causal=True)
     assert torch.allclose(out.detach(), want, atol=1e-6)
     assert (counters.stats() - before).to_dict()["dense_fwd"] == {"served": 0, "fallback": {}}
+
+
+class _Recording:
+    """PyTorch's kernel, as a fallback reaches it: records the tensors it was given."""
+
+    def __init__(self, backward=False):
+        self.args, self.backward = [], backward
+
+    def call_boxed(self, keyset, *args, **kwargs):
+        self.args.append(args)
+        if self.backward:
+            return tuple(torch.zeros_like(t) for t in args[1:4])
+        q = args[0]
+        out, lse = torch.zeros_like(q), torch.zeros(q.shape[:3] + (1,))
+        return out, lse, None, None, q.shape[2], args[1].shape[2], torch.zeros((), dtype=torch.int64), \
+            torch.zeros((), dtype=torch.int64), None
+
+
+def test_a_fallback_hands_pytorchs_cudnn_kernel_aligned_copies_of_misaligned_operands(cuda_like):
+    """PyTorch's cuDNN kernel misreads a base or rows that are not 16-byte aligned (GPU run 24): the
+    cuDNN op's fallback gets copies of those, in their dimension order; aligned operands as given."""
+    base = torch.randn(2 * 2 * 8 * 8 + 1)
+    q = base[1:].view(2, 2, 8, 8)  # base one element in
+    wide = torch.randn(2, 2, 8, 12)
+    k = wide[..., :8]  # rows of 12 floats: 48 bytes, aligned; and v rows of 10: 40 bytes, not
+    v = torch.randn(2, 2, 8, 10)[..., :8]
+    assert q.data_ptr() % 16 and layout.misaligned(v) and not layout.misaligned(k)
+    fwd, bwd = _Recording(), _Recording(backward=True)
+    kernels = overrides._Dense(fwd, bwd)
+    before = counters.stats()
+    result = kernels.forward(None, q, k, v, None, True, 0.0, False, True, scale=None)  # return_debug_mask
+    got_q, got_k, got_v = fwd.args[0][:3]
+    assert got_k is k and got_q is not q and got_v is not v
+    assert torch.equal(got_q, q) and torch.equal(got_v, v) and got_q.data_ptr() % 16 == 0
+    assert not layout.misaligned(got_v) and got_v.stride(-1) == 1
+    go = torch.randn(2, 2, 8, 8).transpose(2, 3).contiguous().transpose(2, 3)[1:2].expand(2, 2, 8, 8)
+    kernels.backward(None, go, q, k, v, result[0], result[1], result[6], result[7], None, None, None, 8, 8, 0.0, False,
+                     scale=None)
+    do, bq, bk, bv = bwd.args[0][:4]
+    assert bk is k and torch.equal(bq, q) and bq.data_ptr() % 16 == 0 and not layout.misaligned(bv)
+    assert do is go  # expanded, aligned: as given
+    region = counters.stats() - before
+    assert region.fallback["dense_fwd"] == {"unsupported_argument": 1}
+    assert sum(region.fallback["dense_bwd"].values()) == 1
+
+
+def test_a_backward_of_a_forward_outside_the_provider_gets_its_operands_as_given():
+    base = torch.randn(2 * 2 * 8 * 8 + 1)
+    q = base[1:].view(2, 2, 8, 8)
+    bwd = _Recording(backward=True)
+    kernels = overrides._Dense(_Original(), bwd)
+    lse = torch.zeros(2, 2, 8, 1)  # unmarked: its forward did not run through the provider
+    kernels.backward(None, torch.randn(2, 2, 8, 8), q, q, q, torch.randn(2, 2, 8, 8), lse, None, None, None, None,
+                     None, 8, 8, 0.0, False, scale=None)
+    assert bwd.args[0][1] is q
