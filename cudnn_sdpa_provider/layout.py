@@ -129,8 +129,8 @@ def repaired(t: torch.Tensor) -> torch.Tensor:
 
 def misaligned(t: torch.Tensor) -> bool:
     """Whether ``t``'s base, or a row (an outer stride, with the head dim innermost), is not 16-byte
-    aligned. PyTorch's own attention kernels launch on such operands unchecked; its cuDNN path
-    misread them and its kernels faulted on some (GPU runs 21-24: docs/troubleshooting.md)."""
+    aligned. PyTorch's own attention kernels launch on such operands unchecked, and misread or
+    fault on them (docs/troubleshooting.md)."""
     if t.numel() == 0:
         return False
     if t.data_ptr() % _ALIGN:
