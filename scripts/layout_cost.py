@@ -27,23 +27,14 @@ import torch  # noqa: E402
 import cudnn_sdpa_provider as csp  # noqa: E402
 from cudnn_sdpa_provider import counters  # noqa: E402
 from cudnn_sdpa_provider.bench import MATRIX  # noqa: E402
+from cudnn_sdpa_provider.bench.measure import event_times  # noqa: E402
 
 DTYPE = torch.bfloat16
 
 
 def _median_ms(fn, repeats: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median CUDA-event time of one ``fn()`` call (the bench's own timing loop)."""
+    return statistics.median(event_times(lambda _: fn(), [None], repeats, warmup))
 
 
 def _packed_layouts(t: int, h: int, d: int) -> dict:

@@ -259,12 +259,17 @@ def _varlen_kwargs(cfg, params: set) -> dict | None:
     return kw
 
 
+def _strides_aligned(t) -> bool:
+    """Every outer stride of a dim with extent > 1 a multiple of 16 bytes (0 included)."""
+    item = t.element_size()
+    return all((st * item) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+
+
 def _vector_aligned(t) -> bool:
     """Whether FlashAttention's 16-byte vector loads can read ``t``: an aligned base and outer strides.
     torch's varlen_attn does not check this before launching it (seen on the H200: a head-dim slice of
     width D + 4 and a base one element in both ended the process with 'misaligned address')."""
-    item = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((s * item) % 16 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+    return t.data_ptr() % 16 == 0 and _strides_aligned(t)
 
 
 def _varlen_native(cfg, ops):
@@ -350,11 +355,6 @@ def _run(fn, ops, seed: int, scope: bool, bwd_in_scope: bool = True) -> Result:
             result.error = result.error or exc
     result.delta = counters.stats() - before
     return result
-
-
-def _strides_aligned(t) -> bool:
-    item = t.element_size()
-    return all((st * item) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
 
 
 def _moved(t: torch.Tensor) -> torch.Tensor:
