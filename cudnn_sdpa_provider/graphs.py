@@ -128,6 +128,7 @@ class BwdKey:
     dropout_p: float = 0.0
     deterministic: bool = False
     max_total: tuple | None = None  # ragged only: (tokens_q, tokens_kv) bounds that size the dQ accumulator
+    padded_lse: bool = False  # ragged only: the LSE is a padded (B, H, S_max, 1) tensor, not ragged
 
 
 @dataclass
@@ -256,7 +257,8 @@ def describe(key) -> str:
     shape = lambda d: "x".join(str(n) for n in d.dims)  # noqa: E731
     flags = [f for f, on in (("bottom_right", key.bottom_right), ("sinks", key.sinks), ("bias", key.bias is not None),
                              ("padded", key.padded), ("varlen", key.ragged),
-                             ("deterministic", getattr(key, "deterministic", False))) if on]
+                             ("deterministic", getattr(key, "deterministic", False)),
+                             ("padded_lse", getattr(key, "padded_lse", False))) if on]
     if key.dropout_p:
         flags.append(f"dropout={key.dropout_p}")
     if getattr(key, "max_total", None):
@@ -404,8 +406,10 @@ def _build_bwd(key: BwdKey, handle):
     o, do, lse = _tensor(g, UID.O, key.o), _tensor(g, UID.DO, key.do), _tensor(g, UID.LSE, key.lse)
     batch = key.q.dims[0]
     if key.ragged:
-        for t, uid in ((q, UID.RAG_Q), (k, UID.RAG_K), (v, UID.RAG_V), (o, UID.RAG_O), (do, UID.RAG_DO), (lse, UID.RAG_LSE)):
+        for t, uid in ((q, UID.RAG_Q), (k, UID.RAG_K), (v, UID.RAG_V), (o, UID.RAG_O), (do, UID.RAG_DO)):
             _ragged(g, t, uid, batch)
+        if not key.padded_lse:
+            _ragged(g, lse, UID.RAG_LSE, batch)
     kw = _mask_kwargs(g, key)
     if key.sinks:
         h = key.q.dims[1]

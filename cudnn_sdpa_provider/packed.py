@@ -96,12 +96,19 @@ class _Lengths:
         self.cu_q = torch.where(self.bad, 0, cu_q)
         self.cu_kv = self.cu_q if same else torch.where(self.bad, 0, cu_kv)
         self.fill = torch.where(self.bad, float("nan"), 0.0)  # 0-dim: what the outputs start at
+        self._words: dict = {}
         # The lengths of the safe cu_seqlens: 0 everywhere when bad, else the real ones.
         self.len_kv = torch.where(self.bad, 0, diff_kv).view(-1, 1, 1, 1)
         # Queries of a sequence with no keys attend to nothing: 0 by definition. cuDNN < 9.25 writes
         # NaN for them, so it is not asked to compute them (length 0); their rows keep the fill, 0.
         self.len_q = self.len_kv if same else torch.where(self.len_kv == 0, 0, diff_q.view(-1, 1, 1, 1))
         self._offsets: dict = {}
+
+    def filled(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` filled with the start value (``rows.fill``)."""
+        if buf.dtype not in self._words:
+            self._words[buf.dtype] = rows.fill_words(self.bad, buf.dtype)
+        return rows.fill(buf, self.fill, self._words[buf.dtype])
 
     def offsets(self, side: str, stride: int) -> torch.Tensor:
         found = self._offsets.get((side, stride))
@@ -117,12 +124,11 @@ def _key(t) -> tuple | None:
     return None if t is None else (t.shape[1], t.shape[2], t.dtype, layout.packed_usable(t))
 
 
-def _output(like: torch.Tensor, shape, dtype, fill) -> tuple[torch.Tensor, torch.Tensor]:
+def _output(like: torch.Tensor, shape, dtype, n: _Lengths) -> tuple[torch.Tensor, torch.Tensor]:
     """(the output in the layout policy's strides, the contiguous buffer cuDNN writes), filled."""
     out = layout.packed_out(like, shape, dtype)
     buf = out if out.is_contiguous() else torch.empty(tuple(shape), dtype=dtype, device=like.device)
-    buf.fill_(fill)
-    return out, buf
+    return out, n.filled(buf)
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_kv: int, *, scale: float,
@@ -139,8 +145,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_
     n = _Lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv)
     qr, kr, vr = (layout.packed_repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
     t_q, h = q.shape[0], q.shape[1]
-    out, out_buf = _output(q, (t_q, h, v.shape[2]), q.dtype, n.fill)
-    lse = torch.empty((t_q, h), dtype=torch.float32, device=q.device).fill_(n.fill)
+    out, out_buf = _output(q, (t_q, h, v.shape[2]), q.dtype, n)
+    lse = n.filled(torch.empty((t_q, h), dtype=torch.float32, device=q.device))
     ts = _token_stride
     buffers = [qr, kr, vr, out_buf, lse, n.len_q, n.len_kv, n.offsets("q", ts(qr)), n.offsets("kv", ts(kr)),
                n.offsets("kv", ts(vr)), n.offsets("q", ts(out_buf)), n.offsets("q", h)]
@@ -187,12 +193,12 @@ def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqle
     n = _Lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv)
     qr, kr, vr, outr, do = (layout.packed_repaired(t) if fix else t
                             for t, fix in zip((q, k, v, out, grad_out), found.repair))
-    lse = bd.small_operand(lse, tuple(lse.shape))  # contiguous and aligned: cuDNN < 9.26 misreads others
-    (dq, dq_buf), (dk, dk_buf), (dv, dv_buf) = (_output(t, tuple(t.shape), t.dtype, n.fill) for t in (q, k, v))
+    stats = rows.padded_lse(lse, n.cu_q, batch, sq)  # (B, H, S_max, 1): see _bind_backward
+    (dq, dq_buf), (dk, dk_buf), (dv, dv_buf) = (_output(t, tuple(t.shape), t.dtype, n) for t in (q, k, v))
     h, ts = q.shape[1], _token_stride
-    buffers = [qr, kr, vr, outr, do, lse, dq_buf, dk_buf, dv_buf, n.len_q, n.len_kv,
+    buffers = [qr, kr, vr, outr, do, stats, dq_buf, dk_buf, dv_buf, n.len_q, n.len_kv,
                n.offsets("q", ts(qr)), n.offsets("kv", ts(kr)), n.offsets("kv", ts(vr)), n.offsets("q", ts(outr)),
-               n.offsets("q", ts(do)), n.offsets("q", h), n.offsets("q", ts(dq_buf)), n.offsets("kv", ts(dk_buf)),
+               n.offsets("q", ts(do)), n.offsets("q", ts(dq_buf)), n.offsets("kv", ts(dk_buf)),
                n.offsets("kv", ts(dv_buf))]
     if sinks is not None:
         buffers += [bd.small_operand(sinks, (1, h, 1, 1), torch.float32),
@@ -210,14 +216,18 @@ def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, bounds, sinks, scale,
     def ragged(shape, dtype, s):
         return _ragged(shape, dtype, batch, s)
 
+    # The LSE goes in padded, (B, H, S_max, 1) contiguous (``rows.padded_lse``): with a ragged LSE,
+    # cuDNN 9.19 on an H200 runs a ragged dO.O kernel 2.3x slower than the padded one (GPU run 26,
+    # scripts/varlen_profile.py), and it rejects ragged LSE in the backward on sm_8x/sm_12x.
+    h = q.shape[1]
     key = BwdKey(device=q.device.index, q=ragged(q.shape, q.dtype, sq), k=ragged(k.shape, k.dtype, skv),
                  v=ragged(v.shape, v.dtype, skv), o=ragged(shape_o, q.dtype, sq), do=ragged(shape_o, q.dtype, sq),
-                 lse=_lse_desc(q.shape[1], batch, sq), dq=ragged(q.shape, q.dtype, sq),
+                 lse=Desc((batch, h, sq, 1), (h * sq, sq, 1, 1), torch.float32), dq=ragged(q.shape, q.dtype, sq),
                  dk=ragged(k.shape, k.dtype, skv), dv=ragged(v.shape, v.dtype, skv), scale=float(scale),
                  window=tuple(window), bottom_right=bool(bottom_right), sinks=sinks is not None, ragged=True,
-                 deterministic=bool(deterministic), max_total=bounds)
+                 deterministic=bool(deterministic), max_total=bounds, padded_lse=True)
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q,
-            UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_LSE, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
+            UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
     uids += (UID.SINK, UID.DSINK) if sinks is not None else ()
     return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair, outputs=(), direct=(),
                    extra={}, fix=any(repair))

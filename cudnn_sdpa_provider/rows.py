@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths",
+__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths", "fill_words", "fill", "padded_lse",
            "sink_grad_dense", "sink_grad_packed", "new_philox"]
 
 
@@ -65,6 +65,53 @@ def bad_packed_lengths(cu_q, lens_q, cu_kv, lens_kv, tokens_q: int, tokens_kv: i
     if cu_kv is cu_q:
         return _packed_bad(cu_q, lens_q, min(tokens_q, tokens_kv), min(max_q, max_kv))
     return _packed_bad(cu_q, lens_q, tokens_q, max_q) | _packed_bad(cu_kv, lens_kv, tokens_kv, max_kv)
+
+
+#: Four NaNs of each dtype as one int64 word (quiet NaN bit patterns; all below 2**63).
+_NAN_WORDS = {torch.bfloat16: 0x7FC0_7FC0_7FC0_7FC0, torch.float16: 0x7E00_7E00_7E00_7E00,
+              torch.float32: 0x7FC0_0000_7FC0_0000}
+
+
+def fill_words(bad: torch.Tensor, dtype) -> torch.Tensor | None:
+    """0-dim int64 on ``bad``'s device: 8 bytes of NaN of ``dtype`` where ``bad``, else 8 zero
+    bytes (None for a dtype without a pattern here)."""
+    word = _NAN_WORDS.get(dtype)
+    return None if word is None else torch.where(bad, word, 0)
+
+
+def fill(buf: torch.Tensor, value: torch.Tensor, words: torch.Tensor | None) -> torch.Tensor:
+    """Fill ``buf`` with the 0-dim device ``value`` (0 or NaN, read on the device, no sync).
+
+    A fill from a device scalar is a broadcast copy; on a 2-byte dtype it moves 2 bytes per
+    element, so it runs well under the memory's write bandwidth (docs/performance-notes.md,
+    "Varlen"). Where ``buf`` can be seen as int64 words (contiguous, 8-byte aligned, a last
+    dimension of whole words), the same bytes are written as ``words`` (``fill_words``), a quarter
+    of the elements. Returns ``buf``."""
+    size = buf.element_size()
+    if (words is not None and buf.is_contiguous() and buf.dim() > 0 and buf.data_ptr() % 8 == 0
+            and (buf.shape[-1] * size) % 8 == 0):
+        buf.view(torch.int64).fill_(words)
+    else:
+        buf.fill_(value)
+    return buf
+
+
+def padded_lse(lse: torch.Tensor, cu_q: torch.Tensor, batch: int, s_max: int) -> torch.Tensor:
+    """Packed (T, H) fp32 log-sum-exp as a padded (B, H, S_max, 1) tensor for a ragged backward
+    graph: token t of sequence b at position p goes to [b, :, p]; positions past a sequence's
+    length hold 0, and tokens past ``cu_q[-1]`` (or every token, when ``cu_q`` is all 0) go to a
+    spare batch row B that the graph never reads. Device-side, no sync. ``cu_q`` must hold valid
+    prefix sums of lengths <= ``s_max`` (the safe ones of a checked call)."""
+    t, h = lse.shape
+    if batch == 0:
+        return torch.zeros((0, h, s_max, 1), dtype=torch.float32, device=lse.device)
+    tokens = torch.arange(t, device=lse.device, dtype=cu_q.dtype)
+    seq = torch.searchsorted(cu_q[1:], tokens, right=True)  # in [0, B]; B past the last sequence
+    past = seq == batch
+    pos = torch.where(past, 0, tokens - cu_q[seq.clamp(max=batch - 1)])
+    out = torch.zeros((batch + 1, h, s_max), dtype=torch.float32, device=lse.device)
+    out[seq, :, pos] = lse
+    return out[:batch].unsqueeze(-1)
 
 
 def sink_grad_dense(sinks, lse, out, grad_out) -> torch.Tensor:

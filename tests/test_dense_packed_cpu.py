@@ -50,3 +50,35 @@ def test_max_total_sizes_the_accumulator_by_tokens_on_hopper_only():
     assert packed.max_total(_caps((9, 0)), 500, 500, 2, 256, 256, 64, 64) is None  # no gain over 2 x 256
     assert packed.max_total(_caps((10, 0)), 300, 9000, 4, 128, 4096, 64, 64) == (320, 9216)
     assert packed.max_total(_caps((9, 0)), 600, 9000, 4, 128, 4096, 64, 64) == (512, 9216)  # capped at B x S
+
+
+def test_padded_lse_places_each_token_at_its_sequence_and_position():
+    from cudnn_sdpa_provider import rows
+
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # lengths 3, 0, 4; tokens 7 and 8 are past the end
+    lse = torch.randn(3, 9).t()  # (T, H) = (9, 3), strided like the (H, T) LSE of varlen_attn transposed
+    got = rows.padded_lse(lse, cu, batch=3, s_max=4)
+    assert got.shape == (3, 3, 4, 1) and got.stride() == (12, 4, 1, 1)
+    want = torch.zeros(3, 3, 4)
+    want[0, :, :3] = lse[0:3].t()
+    want[2, :, :4] = lse[3:7].t()
+    assert torch.equal(got[..., 0], want)
+    # all-zero prefix sums (a call whose lengths were out of range): nothing is placed
+    assert torch.equal(rows.padded_lse(lse, torch.zeros(4, dtype=torch.int32), 3, 4), torch.zeros(3, 3, 4, 1))
+
+
+def test_fill_writes_zero_or_nan_whether_or_not_the_buffer_can_be_seen_as_words():
+    from cudnn_sdpa_provider import rows
+
+    for bad in (False, True):
+        flag = torch.tensor(bad)
+        value = torch.where(flag, float("nan"), 0.0)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            words = rows.fill_words(flag, dtype)
+            # (5, 3, 8) takes the int64 view; (5, 3, 3) (a 6- or 12-byte last dim) and a transposed
+            # buffer take the plain fill: every element must end up the same either way
+            for buf in (torch.randn(5, 3, 8), torch.randn(5, 3, 3), torch.randn(8, 3, 5).transpose(0, 2)):
+                buf = buf.to(dtype)
+                rows.fill(buf, value, words)
+                assert (buf.isnan().all() if bad else (buf == 0).all()), (bad, dtype, buf.shape)
+    assert rows.fill_words(torch.tensor(True), torch.int32) is None
