@@ -8,13 +8,15 @@ at the end; the median of 5 such runs): PyTorch's native cuDNN path, the provide
 for a seen signature (``route.entry`` + ``route.call`` around nothing), ``dense.forward`` through its
 binding, ``graphs.execute`` (handle stream + workspace + the frontend's execute) and the frontend's
 ``graph.execute`` alone (with a mapping, and with ordered buffers where the frontend has
-``tensor_uids``), and the two output allocations. Then cProfile's top entries for the provider's
-forward+backward. The breakdown is in docs/performance-notes.md.
+``tensor_uids``), and the two output allocations. Then, for the provider's forward and forward+backward, how much of
+the wall time is spent inside its overrides and executes, and cProfile's top entries (native's
+forward+backward for comparison). The breakdown is in docs/performance-notes.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import os
@@ -30,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import dense, graphs, ops, route  # noqa: E402
+from cudnn_sdpa_provider import dense, graphs, ops, overrides, route  # noqa: E402
 
 
 def per_call_us(fn, calls: int, runs: int = 5) -> float:
@@ -45,6 +47,56 @@ def per_call_us(fn, calls: int, runs: int = 5) -> float:
         torch.cuda.synchronize()
         times.append((perf_counter() - t0) / calls * 1e6)
     return statistics.median(times)
+
+
+def breakdown(fn, calls: int) -> dict:
+    """Wall us per call of ``fn`` under ``enable()``, and of it the time inside the dense cuDNN
+    op's forward and backward overrides (each including its execute) and inside ``graphs.execute``
+    (both executes); what is left is PyTorch's: dispatch, autograd, the device thread's handoff."""
+    spent: dict = collections.defaultdict(float)
+
+    def timed(name, f):
+        def wrapper(*args, **kwargs):
+            t0 = perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] += perf_counter() - t0
+        return wrapper
+
+    saved = [(overrides._Dense, "forward"), (overrides._Dense, "backward"), (graphs, "execute")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    for owner, name, f in saved:
+        setattr(owner, name, timed(name if owner is graphs else f"override {name}", f))
+    try:
+        with csp.enable():
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            spent.clear()
+            t0 = perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            total = perf_counter() - t0
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+    per = {name: us / calls * 1e6 for name, us in spent.items()}
+    per["total"] = total / calls * 1e6
+    per["outside the overrides"] = per["total"] - per.get("override forward", 0) - per.get("override backward", 0)
+    return per
+
+
+class _Rows:
+    """Prints each (name, us) row as it is appended, so a failure later keeps what was measured."""
+
+    def __init__(self, title: str):
+        print(title, flush=True)
+
+    def append(self, row: tuple) -> None:
+        name, us = row
+        print(f"  {name.ljust(48)}  {us:8.1f}", flush=True)
 
 
 def main() -> None:
@@ -80,7 +132,8 @@ def main() -> None:
     def decision():
         return route.call("dense_fwd", route.entry(("host_profile",), None, 0), lambda: None, None, lambda: "")
 
-    rows = []
+    rows = _Rows(f"host us per call, (1, 2, 128, 64) bf16 causal, {args.calls} calls x 5 runs, median; "
+                 f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         rows.append(("native cuDNN F.sdpa forward", per_call_us(sdpa, args.calls)))
         rows.append(("native cuDNN F.sdpa forward+backward", per_call_us(sdpa_bwd, args.calls)))
@@ -99,8 +152,8 @@ def main() -> None:
     rows.append(("route decision of a seen signature (no work)", per_call_us(decision, args.calls)))
     rows.append(("dense.forward through its binding", per_call_us(engine_fwd, args.calls)))
 
-    engine_fwd()
-    binding = next(b for key, b in graphs._state()["fast"].items() if key[0] == "dense_fwd")
+    engine_fwd()  # the cache is LRU-ordered: the last dense forward binding is engine_fwd's
+    binding = next(b for key, b in reversed(graphs._state()["fast"].items()) if key[0] == "dense_fwd")
     (size, stride), (lse_size, _) = binding.outputs
     out = torch.empty_strided(size, stride, dtype=q.dtype, device="cuda")
     lse = torch.empty(lse_size, dtype=torch.float32, device="cuda")
@@ -125,24 +178,37 @@ def main() -> None:
         lambda: (torch.empty_strided(size, stride, dtype=q.dtype, device="cuda"),
                  torch.empty(lse_size, dtype=torch.float32, device="cuda")), args.calls)))
 
-    width = max(len(name) for name, _ in rows)
-    print(f"host us per call, (1, 2, 128, 64) bf16 causal, {args.calls} calls x 5 runs, median; "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
-    for name, us in rows:
-        print(f"  {name.ljust(width)}  {us:8.1f}")
+    for name, fn in (("forward", sdpa), ("forward+backward", sdpa_bwd)):
+        parts = breakdown(fn, args.calls)
+        print(f"\nprovider F.sdpa {name}, where the time goes (us per call, one run of {args.calls}): "
+              + ", ".join(f"{part} {us:.1f}" for part, us in parts.items()), flush=True)
 
-    prof = cProfile.Profile()
-    with csp.enable():
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        prof = cProfile.Profile()
         sdpa_bwd()
         prof.enable()
         for _ in range(args.profile):
             sdpa_bwd()
         prof.disable()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    print(f"\ncProfile, provider F.sdpa forward+backward x {args.profile}, by own time:")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    print(f"\ncProfile, native cuDNN F.sdpa forward+backward x {args.profile}, by own time:")
     print(text.getvalue())
+
+    for name, fn in (("forward", sdpa), ("forward+backward", sdpa_bwd)):
+        prof = cProfile.Profile()
+        with csp.enable():
+            fn()
+            prof.enable()
+            for _ in range(args.profile):
+                fn()
+            prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"\ncProfile, provider F.sdpa {name} x {args.profile}, by own time:")
+        print(text.getvalue())
 
 
 if __name__ == "__main__":

@@ -45,6 +45,21 @@ def _inputs():
     return case, cu.cuda(), q, k, v, go
 
 
+def _peer_plans() -> dict:
+    """The plan each of the peer's cached graphs runs, by its cache key (empty without cudnn.torch)."""
+    try:
+        from cudnn.sdpa.fwd import torch_op
+    except ImportError:
+        return {}
+    plans = {}
+    for key, (graph, _ws, _uids) in getattr(torch_op, "_graph_cache", {}).items():
+        try:
+            plans[str(key)] = graph.get_plan_name_at_index(graph._plan_index)
+        except Exception as exc:  # noqa: BLE001 - a frontend without these attributes
+            plans[str(key)] = f"<unavailable: {type(exc).__name__}>"
+    return plans
+
+
 def _kernels(prof, iters: int) -> list[tuple[str, float, int]]:
     rows = []
     for e in prof.key_averages():
@@ -88,10 +103,11 @@ def main() -> None:
                                          "kernels": [{"name": n, "us": round(us, 1), "per_call": c}
                                                      for n, us, c in kernels]}
     results["provider plans"] = dict(csp.stats().plans)
+    results["peer plans"] = _peer_plans()
     print(f"varlen_attn, {case.describe()}; {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"device us per call over {args.iters} calls")
     for name, r in results.items():
-        if name == "provider plans":
+        if name.endswith(" plans"):
             continue
         if "error" in r:
             print(f"\n{name}: {r['error']}")
@@ -101,6 +117,9 @@ def main() -> None:
             print(f"  {kernel['us']:9.1f} us  x{kernel['per_call']}  {kernel['name'][:110]}")
     print("\nprovider plans:")
     for config, plan in sorted(results["provider plans"].items()):
+        print(f"  {plan}  <- {config}")
+    print("\npeer plans (its graph cache: key -> plan):")
+    for config, plan in results["peer plans"].items():
         print(f"  {plan}  <- {config}")
     if args.json:
         with open(args.json, "w") as fh:
