@@ -1,6 +1,10 @@
 """Where the host time of a served call goes, at the tiny shape (1, 2, 128, 64) bf16 causal (GPU).
 
-    python3 scripts/host_profile.py [--calls 2000] [--profile 500]
+    python3 scripts/host_profile.py [--calls 2000] [--profile 500] [--quick]
+
+``--quick``: only the four F.sdpa rows (native and provider, forward and forward+backward), through
+the public API alone, so ``CSP_UNDER_TEST=<dir>`` can time another copy of the package (an older
+commit's) on the same host for an A/B.
 
 Layer by layer, microseconds of wall time per call over ``--calls`` back-to-back calls (one sync
 at the end; the median of 5 such runs): PyTorch's native cuDNN path, the provider through F.sdpa,
@@ -25,14 +29,14 @@ import statistics
 import sys
 from time import perf_counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# CSP_UNDER_TEST=<dir>: import the package from <dir> (with --quick: an older commit's copy)
+sys.path.insert(0, os.environ.get("CSP_UNDER_TEST") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import dense, graphs, ops, overrides, route  # noqa: E402
 
 
 def per_call_us(fn, calls: int, runs: int = 5) -> float:
@@ -63,6 +67,8 @@ def breakdown(fn, calls: int) -> dict:
             finally:
                 spent[name] += perf_counter() - t0
         return wrapper
+
+    from cudnn_sdpa_provider import graphs, overrides
 
     saved = [(overrides._Dense, "forward"), (overrides._Dense, "backward"), (graphs, "execute")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
@@ -103,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--profile", type=int, default=500)
+    parser.add_argument("--quick", action="store_true", help="only the F.sdpa rows, public API only")
     args = parser.parse_args()
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -124,14 +131,6 @@ def main() -> None:
         out = csp.attention(qg, kg, vg, is_causal=True)
         torch.autograd.grad(out, (qg, kg, vg), go)
 
-    def engine_fwd():
-        return dense.forward(q, k, v, scale=scale, window=(-1, 0))
-
-    found = route.entry(("host_profile",), lambda: route.dense_problem(q, k, v, window=(-1, 0)), 0)
-
-    def decision():
-        return route.call("dense_fwd", route.entry(("host_profile",), None, 0), lambda: None, None, lambda: "")
-
     rows = _Rows(f"host us per call, (1, 2, 128, 64) bf16 causal, {args.calls} calls x 5 runs, median; "
                  f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -140,6 +139,19 @@ def main() -> None:
     with csp.enable():
         rows.append(("provider F.sdpa forward", per_call_us(sdpa, args.calls)))
         rows.append(("provider F.sdpa forward+backward", per_call_us(sdpa_bwd, args.calls)))
+    print(f"  (package {csp.__file__})", flush=True)
+    if args.quick:
+        return
+    from cudnn_sdpa_provider import dense, graphs, ops, route  # internals: the current package's layout
+
+    def engine_fwd():
+        return dense.forward(q, k, v, scale=scale, window=(-1, 0))
+
+    found = route.entry(("host_profile",), lambda: route.dense_problem(q, k, v, window=(-1, 0)), 0)
+
+    def decision():
+        return route.call("dense_fwd", route.entry(("host_profile",), None, 0), lambda: None, None, lambda: "")
+
     rows.append(("csp.attention forward", per_call_us(attention, args.calls)))
     rows.append(("csp.attention forward+backward", per_call_us(attention_bwd, args.calls)))
     eager, ops.eager = ops.eager, lambda *tensors: False  # what compiled/traced calls get: the custom ops
