@@ -28,7 +28,7 @@ from .binding import Binding, tensor_key
 from .dense import alignment
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["forward", "backward", "seqlen_bucket", "token_bucket", "max_total"]
+__all__ = ["forward", "backward", "seqlen_bucket", "token_bucket", "max_total", "padded_lse_pays"]
 
 
 def seqlen_bucket(n: int) -> int:
@@ -58,6 +58,17 @@ def max_total(caps, tokens_q: int, tokens_kv: int, batch: int, s_q: int, s_kv: i
         return None
     bounds = (min(token_bucket(tokens_q), batch * s_q), min(token_bucket(tokens_kv), batch * s_kv))
     return None if bounds == (batch * s_q, batch * s_kv) else bounds
+
+
+def padded_lse_pays(batch: int, s_max: int, tokens_q: int) -> bool:
+    """Whether a ragged backward takes its LSE padded, (B, H, S_max, 1), instead of ragged.
+
+    With a padded LSE cuDNN 9.19 on an H200 runs its padded dO.O kernel, 2.3x faster than the
+    ragged one at the bench's varlen case (docs/performance-notes.md, "Varlen"), but the padded
+    tensor (and its gather) grows with B x S_max rather than with the tokens: a batch of many short
+    sequences under one long one would pay more for it than it saves. So padded while the nominal
+    B x S_max is at most twice the packed tokens (host integers: no sync)."""
+    return batch * s_max <= 2 * max(int(tokens_q), 1)
 
 
 def _ragged(t_shape, dtype, batch: int, s_max: int) -> Desc:
@@ -185,21 +196,26 @@ def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqle
     sq, skv = seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_kv)
     bounds = max_total(machine.capabilities(q.device.index), q.shape[0], k.shape[0], batch, sq, skv, q.shape[2],
                        v.shape[2])
+    padded = padded_lse_pays(batch, sq, q.shape[0])
     signature = ("varlen_bwd", q.device.index, _key(grad_out), _key(q), _key(k), _key(v), _key(out),
-                 cu_seqlens_q.shape, sq, skv, bounds, tensor_key(sinks), scale, window, bottom_right, deterministic)
+                 cu_seqlens_q.shape, sq, skv, bounds, padded, tensor_key(sinks), scale, window, bottom_right,
+                 deterministic)
     found = bd.lookup(signature) or bd.store(signature, _bind_backward(grad_out, q, k, v, out, batch, sq, skv, bounds,
-                                                                       sinks, scale, window, bottom_right,
+                                                                       padded, sinks, scale, window, bottom_right,
                                                                        deterministic))
     n = _Lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv)
     qr, kr, vr, outr, do = (layout.packed_repaired(t) if fix else t
                             for t, fix in zip((q, k, v, out, grad_out), found.repair))
-    stats = rows.padded_lse(lse, n.cu_q, batch, sq)  # (B, H, S_max, 1): see _bind_backward
+    if padded:  # (B, H, S_max, 1): see padded_lse_pays
+        stats = rows.padded_lse(lse, n.cu_q[:-1], n.len_q.view(-1), sq)
+    else:  # ragged, contiguous and aligned: cuDNN < 9.26 misreads others
+        stats = bd.small_operand(lse, tuple(lse.shape))
     (dq, dq_buf), (dk, dk_buf), (dv, dv_buf) = (_output(t, tuple(t.shape), t.dtype, n) for t in (q, k, v))
     h, ts = q.shape[1], _token_stride
     buffers = [qr, kr, vr, outr, do, stats, dq_buf, dk_buf, dv_buf, n.len_q, n.len_kv,
                n.offsets("q", ts(qr)), n.offsets("kv", ts(kr)), n.offsets("kv", ts(vr)), n.offsets("q", ts(outr)),
-               n.offsets("q", ts(do)), n.offsets("q", ts(dq_buf)), n.offsets("kv", ts(dk_buf)),
-               n.offsets("kv", ts(dv_buf))]
+               n.offsets("q", ts(do))] + ([] if padded else [n.offsets("q", h)]) + [
+               n.offsets("q", ts(dq_buf)), n.offsets("kv", ts(dk_buf)), n.offsets("kv", ts(dv_buf))]
     if sinks is not None:
         buffers += [bd.small_operand(sinks, (1, h, 1, 1), torch.float32),
                     torch.empty((1, h, 1, 1), dtype=torch.float32, device=q.device)]
@@ -208,7 +224,7 @@ def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, max_seqle
     return dq, dk, dv, (rows.sink_grad_packed(sinks, lse, outr, do) if sinks is not None else None)
 
 
-def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, bounds, sinks, scale, window, bottom_right,
+def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, bounds, padded, sinks, scale, window, bottom_right,
                    deterministic) -> Binding:
     shape_o = (q.shape[0], q.shape[1], v.shape[2])
     repair = tuple(not layout.packed_usable(t) for t in (q, k, v, out, grad_out))
@@ -216,18 +232,17 @@ def _bind_backward(grad_out, q, k, v, out, batch, sq, skv, bounds, sinks, scale,
     def ragged(shape, dtype, s):
         return _ragged(shape, dtype, batch, s)
 
-    # The LSE goes in padded, (B, H, S_max, 1) contiguous (``rows.padded_lse``): with a ragged LSE,
-    # cuDNN 9.19 on an H200 runs a ragged dO.O kernel 2.3x slower than the padded one (GPU run 26,
-    # scripts/varlen_profile.py), and it rejects ragged LSE in the backward on sm_8x/sm_12x.
     h = q.shape[1]
+    lse = Desc((batch, h, sq, 1), (h * sq, sq, 1, 1), torch.float32) if padded else _lse_desc(h, batch, sq)
     key = BwdKey(device=q.device.index, q=ragged(q.shape, q.dtype, sq), k=ragged(k.shape, k.dtype, skv),
                  v=ragged(v.shape, v.dtype, skv), o=ragged(shape_o, q.dtype, sq), do=ragged(shape_o, q.dtype, sq),
-                 lse=Desc((batch, h, sq, 1), (h * sq, sq, 1, 1), torch.float32), dq=ragged(q.shape, q.dtype, sq),
+                 lse=lse, dq=ragged(q.shape, q.dtype, sq),
                  dk=ragged(k.shape, k.dtype, skv), dv=ragged(v.shape, v.dtype, skv), scale=float(scale),
                  window=tuple(window), bottom_right=bool(bottom_right), sinks=sinks is not None, ragged=True,
-                 deterministic=bool(deterministic), max_total=bounds, padded_lse=True)
+                 deterministic=bool(deterministic), max_total=bounds, padded_lse=bool(padded))
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q,
-            UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
+            UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO) + (() if padded else (UID.RAG_LSE,)) + (
+            UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
     uids += (UID.SINK, UID.DSINK) if sinks is not None else ()
     return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair, outputs=(), direct=(),
                    extra={}, fix=any(repair))

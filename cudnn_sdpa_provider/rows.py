@@ -83,35 +83,35 @@ def fill(buf: torch.Tensor, value: torch.Tensor, words: torch.Tensor | None) -> 
     """Fill ``buf`` with the 0-dim device ``value`` (0 or NaN, read on the device, no sync).
 
     A fill from a device scalar is a broadcast copy; on a 2-byte dtype it moves 2 bytes per
-    element, so it runs well under the memory's write bandwidth (docs/performance-notes.md,
-    "Varlen"). Where ``buf`` can be seen as int64 words (contiguous, 8-byte aligned, a last
-    dimension of whole words), the same bytes are written as ``words`` (``fill_words``), a quarter
-    of the elements. Returns ``buf``."""
+    element, well under the memory's write bandwidth (docs/performance-notes.md, "Varlen"). A
+    contiguous ``buf`` covers one dense byte range, so where that range is whole int64 words at an
+    8-byte-aligned start, the same bytes are written as ``words`` (``fill_words``) through a flat
+    int64 view of the range, a quarter of the elements. Returns ``buf``."""
     size = buf.element_size()
-    if (words is not None and buf.is_contiguous() and buf.dim() > 0 and buf.data_ptr() % 8 == 0
-            and (buf.shape[-1] * size) % 8 == 0):
-        buf.view(torch.int64).fill_(words)
+    if (words is not None and buf.numel() > 0 and buf.is_contiguous() and (buf.numel() * size) % 8 == 0
+            and (buf.storage_offset() * size) % 8 == 0 and buf.data_ptr() % 8 == 0):
+        # flat: a contiguous tensor's size-1 dims may carry any stride, which view(int64) rejects
+        buf.as_strided((buf.numel(),), (1,)).view(torch.int64).fill_(words)
     else:
         buf.fill_(value)
     return buf
 
 
-def padded_lse(lse: torch.Tensor, cu_q: torch.Tensor, batch: int, s_max: int) -> torch.Tensor:
-    """Packed (T, H) fp32 log-sum-exp as a padded (B, H, S_max, 1) tensor for a ragged backward
-    graph: token t of sequence b at position p goes to [b, :, p]; positions past a sequence's
-    length hold 0, and tokens past ``cu_q[-1]`` (or every token, when ``cu_q`` is all 0) go to a
-    spare batch row B that the graph never reads. Device-side, no sync. ``cu_q`` must hold valid
-    prefix sums of lengths <= ``s_max`` (the safe ones of a checked call)."""
+def padded_lse(lse: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, s_max: int) -> torch.Tensor:
+    """Packed (T, H) fp32 log-sum-exp as a padded (B, H, S_max, 1) contiguous tensor for a ragged
+    backward graph: [b, :, p] is row ``starts[b] + p`` of ``lse`` for p < ``lengths[b]``, else 0.
+    A gather (deterministic, device-side, no sync); rows past the last sequence are never read.
+    ``starts``/``lengths`` (B,) must describe valid sequences of at most ``s_max`` tokens (a checked
+    call's safe ones: all 0 when a length was out of range, which gives all 0 here)."""
     t, h = lse.shape
-    if batch == 0:
-        return torch.zeros((0, h, s_max, 1), dtype=torch.float32, device=lse.device)
-    tokens = torch.arange(t, device=lse.device, dtype=cu_q.dtype)
-    seq = torch.searchsorted(cu_q[1:], tokens, right=True)  # in [0, B]; B past the last sequence
-    past = seq == batch
-    pos = torch.where(past, 0, tokens - cu_q[seq.clamp(max=batch - 1)])
-    out = torch.zeros((batch + 1, h, s_max), dtype=torch.float32, device=lse.device)
-    out[seq, :, pos] = lse
-    return out[:batch].unsqueeze(-1)
+    batch = starts.shape[0]
+    if t == 0 or batch == 0:
+        return torch.zeros((batch, h, s_max, 1), dtype=torch.float32, device=lse.device)
+    pos = torch.arange(s_max, device=lse.device, dtype=torch.int64)
+    rows = (starts.view(-1, 1).long() + pos).clamp_(max=t - 1)  # (B, S_max) token indices
+    gathered = lse.t()[:, rows.view(-1)].view(h, batch, s_max)  # (H, B, S_max)
+    live = (pos < lengths.view(-1, 1).long()).view(1, batch, s_max)
+    return torch.where(live, gathered, 0.0).transpose(0, 1).contiguous().unsqueeze(-1)
 
 
 def sink_grad_dense(sinks, lse, out, grad_out) -> torch.Tensor:

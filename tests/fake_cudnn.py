@@ -131,20 +131,20 @@ class FakeGraph:
         dks, dvs = read(UID.DK, k.dk, UID.RAG_DK, lk), read(UID.DV, k.dv, UID.RAG_DV, lk)
         if k.padded_lse:  # (B, H, S_max, 1) as declared; each sequence's first len_q positions are read
             assert UID.RAG_LSE not in b, "a padded LSE has no ragged offsets"
-            lses = self._dense(b[UID.LSE], k.lse)
+            padded = self._dense(b[UID.LSE], k.lse)
+            lses = [padded[i, :, : q.shape[1]] if q is not None else None for i, q in enumerate(qs)]
         else:
-            lses = None
-            self._ragged(b[UID.LSE], k.lse, b[UID.RAG_LSE], lq)  # declared readable
-        for i, (q, kk, v, do, dq, dk, dv) in enumerate(zip(qs, ks, vs, dos, dqs, dks, dvs)):
+            lses = self._ragged(b[UID.LSE], k.lse, b[UID.RAG_LSE], lq)
+        for q, kk, v, do, dq, dk, dv, lse in zip(qs, ks, vs, dos, dqs, dks, dvs, lses):
             if q is None or kk is None:
                 continue
-            if lses is not None:  # the LSE the graph reads must be this sequence's, position by position
-                _, want = reference.dense(q[None].double(), kk[None].double(), v[None].double(), scale=k.scale,
-                                          window=k.window, bottom_right=k.bottom_right, sinks=sinks,
-                                          compute_dtype=torch.float64)
-                got = lses[i, :, : q.shape[1], 0].double()
-                assert torch.allclose(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5), \
-                    f"sequence {i}: the padded LSE is not its forward's"
+            # the LSE the graph reads must be this sequence's forward's, position by position
+            _, want = reference.dense(q[None].double(), kk[None].double(), v[None].double(), scale=k.scale,
+                                      window=k.window, bottom_right=k.bottom_right, sinks=sinks,
+                                      compute_dtype=torch.float64)
+            got = lse[..., 0].double()
+            assert torch.allclose(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5), \
+                "the LSE a sequence's backward reads is not its forward's"
             g = reference.dense_backward(do[None].double(), q[None].double(), kk[None].double(), v[None].double(),
                                          scale=k.scale, window=k.window, bottom_right=k.bottom_right, sinks=sinks,
                                          compute_dtype=torch.float64)

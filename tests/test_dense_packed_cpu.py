@@ -55,16 +55,25 @@ def test_max_total_sizes_the_accumulator_by_tokens_on_hopper_only():
 def test_padded_lse_places_each_token_at_its_sequence_and_position():
     from cudnn_sdpa_provider import rows
 
-    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # lengths 3, 0, 4; tokens 7 and 8 are past the end
+    starts = torch.tensor([0, 3, 3], dtype=torch.int32)  # lengths 3, 0, 4; tokens 7 and 8 are past the end
+    lengths = torch.tensor([3, 0, 4], dtype=torch.int32)
     lse = torch.randn(3, 9).t()  # (T, H) = (9, 3), strided like the (H, T) LSE of varlen_attn transposed
-    got = rows.padded_lse(lse, cu, batch=3, s_max=4)
+    got = rows.padded_lse(lse, starts, lengths, s_max=4)
     assert got.shape == (3, 3, 4, 1) and got.stride() == (12, 4, 1, 1)
     want = torch.zeros(3, 3, 4)
     want[0, :, :3] = lse[0:3].t()
     want[2, :, :4] = lse[3:7].t()
     assert torch.equal(got[..., 0], want)
-    # all-zero prefix sums (a call whose lengths were out of range): nothing is placed
-    assert torch.equal(rows.padded_lse(lse, torch.zeros(4, dtype=torch.int32), 3, 4), torch.zeros(3, 3, 4, 1))
+    # all-zero starts and lengths (a call whose lengths were out of range): nothing is placed
+    zeros = torch.zeros(3, dtype=torch.int32)
+    assert torch.equal(rows.padded_lse(lse, zeros, zeros, 4), torch.zeros(3, 3, 4, 1))
+    assert rows.padded_lse(lse[:0], starts, lengths, 4).shape == (3, 3, 4, 1)  # no tokens at all
+
+
+def test_padded_lse_only_while_the_nominal_batch_is_near_the_tokens():
+    assert packed.padded_lse_pays(16, 4096, 42052)  # the bench's varlen case: 65536 slots for 42052 tokens
+    assert not packed.padded_lse_pays(512, 8192, 65536)  # many short documents under one long one
+    assert packed.padded_lse_pays(1, 1, 0)
 
 
 def test_fill_writes_zero_or_nan_whether_or_not_the_buffer_can_be_seen_as_words():
@@ -77,7 +86,10 @@ def test_fill_writes_zero_or_nan_whether_or_not_the_buffer_can_be_seen_as_words(
             words = rows.fill_words(flag, dtype)
             # (5, 3, 8) takes the int64 view; (5, 3, 3) (a 6- or 12-byte last dim) and a transposed
             # buffer take the plain fill: every element must end up the same either way
-            for buf in (torch.randn(5, 3, 8), torch.randn(5, 3, 3), torch.randn(8, 3, 5).transpose(0, 2)):
+            # (1, 4, 8) with an odd stride on its size-1 dim is contiguous but has no int64 view of
+            # its own shape: the flat range is filled (a one-token varlen output is empty_like such a q)
+            odd = torch.empty_strided((1, 4, 8), (33, 8, 1))
+            for buf in (torch.randn(5, 3, 8), torch.randn(5, 3, 3), torch.randn(8, 3, 5).transpose(0, 2), odd):
                 buf = buf.to(dtype)
                 rows.fill(buf, value, words)
                 assert (buf.isnan().all() if bad else (buf == 0).all()), (bad, dtype, buf.shape)

@@ -167,6 +167,32 @@ def test_packed_forward_backward_on_every_layout(fake, kind, window):
                 "q, k, v reach the ragged graph as separate buffers"
 
 
+@pytest.mark.parametrize("lse_form", ["padded", "ragged"])
+def test_packed_backward_reads_each_sequences_own_lse(fake, lse_form):
+    """Queries and keys with their own cu_seqlens, a sequence without queries in the middle, tokens
+    past the last sequence, the LSE handed over transposed (as varlen_attn's (H, T) LSE arrives):
+    the backward's LSE, padded or ragged (``packed.padded_lse_pays``), is each sequence's forward's
+    (the fake checks it position by position) and the gradients are the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    lens_q, lens_kv = ([7, 0, 8], [5, 3, 8]) if lse_form == "padded" else ([1, 0, 6], [5, 3, 8])
+    cu_q, cu_kv = _cu(lens_q), _cu(lens_kv)
+    t_q, t_kv = sum(lens_q) + 3, sum(lens_kv) + 2  # tokens past the end on both sides
+    assert packed.padded_lse_pays(3, packed.seqlen_bucket(8), t_q) is (lse_form == "padded")
+    q = torch.randn(t_q, 4, 8, generator=gen)
+    k, v = (torch.randn(t_kv, 4, 8, generator=gen) for _ in range(2))
+    go = torch.randn(t_q, 4, 8, generator=gen)
+    out, lse = packed.forward(q, k, v, cu_q, cu_kv, 8, 8, scale=0.4)
+    lse_t = lse.t().contiguous().t()  # (T, H) with (1, T) strides
+    dq, dk, dv, _ = packed.backward(go, q, k, v, out, lse_t, cu_q, cu_kv, 8, 8, scale=0.4)
+    want = reference.varlen_backward(go.double(), q.double(), k.double(), v.double(), cu_q, cu_kv, 8, 8, scale=0.4,
+                                     compute_dtype=torch.float64)
+    for got, ref, name in zip((dq, dk, dv), want, ("dq", "dk", "dv")):
+        assert_rel_close(got, ref, TOL, name)
+    assert (dq[sum(lens_q):] == 0).all() and (dk[sum(lens_kv):] == 0).all(), "rows past the last sequence are 0"
+    bwd = [g for g in fake if isinstance(g.key, graphs.BwdKey)]
+    assert [g.key.padded_lse for g in bwd] == [lse_form == "padded"]
+
+
 @pytest.mark.parametrize("bad", ["past_the_end", "decreasing", "longer_than_max", "nonzero_start"])
 def test_packed_out_of_range_lengths_read_nothing_and_give_nan(fake, bad):
     q, k, v = _packed_views("contiguous")
