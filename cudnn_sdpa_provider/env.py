@@ -13,6 +13,9 @@ Variable                                              Meaning
 ``CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB``    Limit for the O(S^2) deterministic-backward
                                                       workspace of cuDNN < 9.25; default: half of
                                                       the device's free memory.
+``CUDNN_SDPA_PROVIDER_AUTOTUNE``                      ``1`` (or on/true/yes): build every plan of a
+                                                      graph and keep the fastest on its first call
+                                                      (``tuning``); ``0`` (default) the heuristic's.
 ====================================================  ==========================================
 """
 
@@ -28,15 +31,18 @@ __all__ = [
     "LOG",
     "CACHE_SIZE",
     "DETERMINISTIC_WORKSPACE_MB",
+    "AUTOTUNE",
     "Parsed",
     "parse_activation",
     "parse_log_level",
     "parse_positive_int",
+    "parse_flag",
     "activation",
     "report_path",
     "log_level",
     "cache_size",
     "deterministic_workspace_mb",
+    "autotune",
 ]
 
 ACTIVATION = "CUDNN_SDPA_PROVIDER"
@@ -44,6 +50,7 @@ REPORT = "CUDNN_SDPA_PROVIDER_REPORT"
 LOG = "CUDNN_SDPA_PROVIDER_LOG"
 CACHE_SIZE = "CUDNN_SDPA_PROVIDER_CACHE_SIZE"
 DETERMINISTIC_WORKSPACE_MB = "CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB"
+AUTOTUNE = "CUDNN_SDPA_PROVIDER_AUTOTUNE"
 
 _ON = ("1", "on", "true", "yes")
 _OFF = ("", "0", "off", "false", "no")
@@ -94,6 +101,16 @@ def parse_positive_int(name: str, raw: str | None, default: int | None) -> Parse
     return Parsed(value, None)
 
 
+def parse_flag(name: str, raw: str | None) -> Parsed:
+    """True for 1/on/true/yes, False for 0/off/false/no/empty; anything else False, with a warning."""
+    text = (raw or "").strip().lower()
+    if text in _ON:
+        return Parsed(True, None)
+    if text in _OFF:
+        return Parsed(False, None)
+    return Parsed(False, f"{name}={raw!r} is not a valid value; use 1 (on) or 0 (off). It stays off.")
+
+
 def _read(parsed: Parsed) -> object:
     if parsed.warning:
         warnings.warn(parsed.warning, RuntimeWarning, stacklevel=3)
@@ -118,3 +135,7 @@ def cache_size() -> int:
 
 def deterministic_workspace_mb() -> int | None:
     return _read(parse_positive_int(DETERMINISTIC_WORKSPACE_MB, os.environ.get(DETERMINISTIC_WORKSPACE_MB), None))  # type: ignore[return-value]
+
+
+def autotune() -> bool:
+    return _read(parse_flag(AUTOTUNE, os.environ.get(AUTOTUNE)))  # type: ignore[return-value]

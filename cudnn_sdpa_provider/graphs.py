@@ -21,7 +21,7 @@ from enum import IntEnum
 
 import torch
 
-from . import counters, env
+from . import counters, env, tuning
 from .errors import NotSupportedError
 from .support import cudnn_bounds
 
@@ -136,6 +136,10 @@ class Plan:
     graph: object
     workspace: int
     name: str
+    outputs: frozenset = frozenset()  # the uids of the buffers the graph writes
+    tune: bool = False  # built with every plan: the first execute outside a capture chooses one (tuning)
+    index: int | None = None  # the plan tuning chose (executed by index), None: the graph's own
+    label: str = ""  # describe(key), for telemetry
 
 
 def backend_info() -> tuple[str | None, int | None, str | None]:
@@ -297,11 +301,26 @@ def execute(p: Plan, uids: tuple, buffers: tuple, device: int, stream: int) -> N
     if state["streams"].get(device) != stream:
         cudnn.set_stream(handle=handle, stream=stream)
         state["streams"][device] = stream
+    if p.tune and not torch.cuda.is_current_stream_capturing():
+        _tune(p, uids, buffers, device, handle)
     workspace = torch.empty(p.workspace, dtype=torch.uint8, device=torch.device("cuda", device)) if p.workspace else None
-    if _ORDERED:
+    if p.index is not None:
+        p.graph.execute_plan_at_index(buffers, workspace, index=p.index, handle=handle, tensor_uids=uids)
+    elif _ORDERED:
         p.graph.execute(buffers, workspace, handle=handle, tensor_uids=uids)
     else:
         p.graph.execute(dict(zip(uids, buffers)), workspace, handle=handle)
+
+
+def _tune(p: Plan, uids: tuple, buffers: tuple, device: int, handle) -> None:
+    """Let ``tuning.choose`` pick ``p``'s plan on this call's buffers (once per graph)."""
+    p.tune = False
+    outputs = [b for u, b in zip(uids, buffers) if u in p.outputs]
+    chosen = tuning.choose(p.graph, lambda index, ws: p.graph.execute_plan_at_index(
+        buffers, ws, index=index, handle=handle, tensor_uids=uids), outputs, p.name, device)
+    if chosen is not None:
+        p.index, p.workspace, p.name = chosen
+        counters.note_plan(p.label, f"{p.name} (autotuned)")
 
 
 # --------------------------------------------------------------------------------- graph builds
@@ -434,6 +453,17 @@ def _plan_name(g) -> str:
         return "unknown"
 
 
+def _build_all(g) -> bool:
+    """Build every plan of ``g`` (the heuristic's first stays selected); False, with nothing lost,
+    when the frontend cannot (the caller then builds the first as usual)."""
+    try:
+        g.build_plans(cudnn.build_plan_policy.ALL)
+        return True
+    except Exception as exc:  # autotune is an extra: never a reason to fall back
+        log.info("autotune: cannot build every plan (%s: %s); using the heuristic's", type(exc).__name__, exc)
+        return False
+
+
 def _build(key, handle) -> Plan:
     if cudnn is None:
         raise NotSupportedError("cudnn_unavailable", _IMPORT_ERROR or "cudnn is not importable")
@@ -444,7 +474,9 @@ def _build(key, handle) -> Plan:
             g.build_operation_graph()
             g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
             g.check_support()
-            g.build_plans()
+            tune = _ORDERED and env.autotune() and _build_all(g)  # every plan built, one chosen by timing
+            if not tune:
+                g.build_plans()
             workspace = int(g.get_workspace_size())
     except NotSupportedError:
         raise
@@ -456,4 +488,6 @@ def _build(key, handle) -> Plan:
         raise NotSupportedError("graph_not_supported", message) from None
     name = _plan_name(g)
     log.info("built cuDNN graph, plan %s, workspace %d bytes: %s", name, workspace, describe(key))
-    return Plan(graph=g, workspace=workspace, name=name)
+    writes = (UID.DQ, UID.DK, UID.DV, UID.DSINK) if isinstance(key, BwdKey) else (UID.O, UID.LSE, UID.RNG_DUMP)
+    return Plan(graph=g, workspace=workspace, name=name, outputs=frozenset(int(u) for u in writes), tune=tune,
+                label=describe(key))

@@ -55,7 +55,7 @@ def test_parse_positive_int_invalid(raw):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in (env.ACTIVATION, env.REPORT, env.LOG, env.CACHE_SIZE, env.DETERMINISTIC_WORKSPACE_MB):
+    for name in (env.ACTIVATION, env.REPORT, env.LOG, env.CACHE_SIZE, env.DETERMINISTIC_WORKSPACE_MB, env.AUTOTUNE):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -64,6 +64,7 @@ def test_defaults_without_variables(clean_env):
     assert env.activation() == "off"
     assert env.report_path() is None
     assert env.log_level() is None
+    assert env.autotune() is False
     assert env.cache_size() == env.DEFAULT_CACHE_SIZE == 256
     assert env.deterministic_workspace_mb() is None
 
