@@ -140,6 +140,7 @@ class Plan:
     tune: bool = False  # built with every plan: the first execute outside a capture chooses one (tuning)
     index: int | None = None  # the plan tuning chose (executed by index), None: the graph's own
     label: str = ""  # describe(key), for telemetry
+    default_index: int = 0  # the heuristic's plan (the graph's selected one when built)
 
 
 def backend_info() -> tuple[str | None, int | None, str | None]:
@@ -302,7 +303,9 @@ def execute(p: Plan, uids: tuple, buffers: tuple, device: int, stream: int) -> N
         cudnn.set_stream(handle=handle, stream=stream)
         state["streams"][device] = stream
     if p.tune and not torch.cuda.is_current_stream_capturing():
-        _tune(p, uids, buffers, device, handle)
+        tuning.tune(p, lambda index, ws: p.graph.execute_plan_at_index(buffers, ws, index=index, handle=handle,
+                                                                        tensor_uids=uids),
+                    [b for u, b in zip(uids, buffers) if u in p.outputs], device)
     workspace = torch.empty(p.workspace, dtype=torch.uint8, device=torch.device("cuda", device)) if p.workspace else None
     if p.index is not None:
         p.graph.execute_plan_at_index(buffers, workspace, index=p.index, handle=handle, tensor_uids=uids)
@@ -312,15 +315,10 @@ def execute(p: Plan, uids: tuple, buffers: tuple, device: int, stream: int) -> N
         p.graph.execute(dict(zip(uids, buffers)), workspace, handle=handle)
 
 
-def _tune(p: Plan, uids: tuple, buffers: tuple, device: int, handle) -> None:
-    """Let ``tuning.choose`` pick ``p``'s plan on this call's buffers (once per graph)."""
-    p.tune = False
-    outputs = [b for u, b in zip(uids, buffers) if u in p.outputs]
-    chosen = tuning.choose(p.graph, lambda index, ws: p.graph.execute_plan_at_index(
-        buffers, ws, index=index, handle=handle, tensor_uids=uids), outputs, p.name, device)
-    if chosen is not None:
-        p.index, p.workspace, p.name = chosen
-        counters.note_plan(p.label, f"{p.name} (autotuned)")
+def writes(key) -> frozenset:
+    """The uids of the buffers a graph for ``key`` writes (the backward reads the LSE)."""
+    uids = (UID.DQ, UID.DK, UID.DV, UID.DSINK) if isinstance(key, BwdKey) else (UID.O, UID.LSE, UID.RNG_DUMP)
+    return frozenset(int(u) for u in uids)
 
 
 # --------------------------------------------------------------------------------- graph builds
@@ -453,15 +451,27 @@ def _plan_name(g) -> str:
         return "unknown"
 
 
-def _build_all(g) -> bool:
-    """Build every plan of ``g`` (the heuristic's first stays selected); False, with nothing lost,
-    when the frontend cannot (the caller then builds the first as usual)."""
+def _prepare(g, tune: bool) -> bool:
+    """Rank the plans (with ``tune``, mode B's too: the plan sweep's candidates) and check support;
+    with ``tune``, build every plan (the heuristic's first stays selected) and return True, else
+    build the first. Autotune is an extra: whatever the frontend refuses of it, the usual build runs."""
+    modes = [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK]
     try:
-        g.build_plans(cudnn.build_plan_policy.ALL)
-        return True
-    except Exception as exc:  # autotune is an extra: never a reason to fall back
-        log.info("autotune: cannot build every plan (%s: %s); using the heuristic's", type(exc).__name__, exc)
-        return False
+        g.create_execution_plans(modes[:1] + [cudnn.heur_mode.B] + modes[1:] if tune else modes)
+    except Exception as exc:
+        if not tune:
+            raise
+        log.info("autotune: no mode-B plans (%s: %s)", type(exc).__name__, exc)
+        g.create_execution_plans(modes)
+    g.check_support()
+    if tune:
+        try:
+            g.build_plans(cudnn.build_plan_policy.ALL)
+            return True
+        except Exception as exc:
+            log.info("autotune: cannot build every plan (%s: %s); using the heuristic's", type(exc).__name__, exc)
+    g.build_plans()
+    return False
 
 
 def _build(key, handle) -> Plan:
@@ -472,11 +482,7 @@ def _build(key, handle) -> Plan:
             g = _build_bwd(key, handle) if isinstance(key, BwdKey) else _build_fwd(key, handle)
             g.validate()
             g.build_operation_graph()
-            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            g.check_support()
-            tune = _ORDERED and env.autotune() and _build_all(g)  # every plan built, one chosen by timing
-            if not tune:
-                g.build_plans()
+            tune = _prepare(g, _ORDERED and env.autotune() and not getattr(key, "deterministic", False))
             workspace = int(g.get_workspace_size())
     except NotSupportedError:
         raise
@@ -488,6 +494,5 @@ def _build(key, handle) -> Plan:
         raise NotSupportedError("graph_not_supported", message) from None
     name = _plan_name(g)
     log.info("built cuDNN graph, plan %s, workspace %d bytes: %s", name, workspace, describe(key))
-    writes = (UID.DQ, UID.DK, UID.DV, UID.DSINK) if isinstance(key, BwdKey) else (UID.O, UID.LSE, UID.RNG_DUMP)
-    return Plan(graph=g, workspace=workspace, name=name, outputs=frozenset(int(u) for u in writes), tune=tune,
-                label=describe(key))
+    return Plan(graph=g, workspace=workspace, name=name, outputs=writes(key), tune=tune, label=describe(key),
+                default_index=int(getattr(g, "_plan_index", 0) or 0))

@@ -7,8 +7,9 @@ results/gpu-run28-plan-sweep.txt). With ``CUDNN_SDPA_PROVIDER_AUTOTUNE=1`` (``en
 graph is built with all of its plans, and its first execute outside a CUDA-graph capture times each
 on that call's own buffers (CUDA events, after warm-up, median) and keeps the fastest, but only
 when it is at least ``MIN_GAIN`` faster than the heuristic's plan and its outputs agree with that
-plan's (``agree``): a plan that computes something else is never chosen. The first call pays for
-it: the build of every plan, and a host sync while timing.
+plan's (``agree``): a plan that computes something else is never chosen, and any failure while
+tuning (memory, a plan that does not run) keeps the heuristic's plan. The first call pays for it:
+the build of every plan, their workspaces and copies of the outputs, and a wait for the device.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["MIN_GAIN", "choose", "agree", "cuda_timer"]
+from . import counters
+
+__all__ = ["MIN_GAIN", "tune", "choose", "agree", "cuda_timer"]
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
@@ -28,7 +31,8 @@ MIN_GAIN = 0.03
 
 
 def cuda_timer(fn: Callable[[], None], warmup: int = 2, repeats: int = 5) -> float:
-    """Median device milliseconds of ``fn`` on the current stream (CUDA events; syncs)."""
+    """Median device milliseconds of ``fn`` on the current stream (CUDA events; waits for the last
+    event only, so another thread's capture is not disturbed)."""
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
@@ -37,59 +41,94 @@ def cuda_timer(fn: Callable[[], None], warmup: int = 2, repeats: int = 5) -> flo
         s.record()
         fn()
         e.record()
-    torch.cuda.synchronize()
+    ends[-1].synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def agree(got: list[torch.Tensor], want: list[torch.Tensor], rel: float = 0.02) -> bool:
-    """Whether two plans' outputs are the same function's: every output within ``rel`` of the
-    largest magnitude of the reference's (bf16/fp16 plans differ in accumulation order only);
-    NaN where and only where the reference has NaN (rows the provider poisons)."""
+    """Whether two plans' outputs are the same function's: NaN, +inf and -inf in the same places,
+    and every finite element within ``rel`` of the reference's largest finite magnitude (bf16/fp16
+    plans differ in accumulation order only)."""
     for a, b in zip(got, want):
-        if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        if a.shape != b.shape:
             return False
-        a, b = torch.nan_to_num(a.float(), nan=0.0), torch.nan_to_num(b.float(), nan=0.0)
-        scale = float(b.abs().max()) if b.numel() else 0.0
-        if b.numel() and float((a - b).abs().max()) > rel * scale + 1e-6:
+        a, b = a.float(), b.float()
+        finite = torch.isfinite(b)
+        if not (torch.equal(finite, torch.isfinite(a)) and torch.equal(torch.isnan(a), torch.isnan(b))
+                and torch.equal(a[torch.isinf(b)], b[torch.isinf(b)])):
             return False
+        if finite.any():
+            scale = float(b[finite].abs().max())
+            if float((a[finite] - b[finite]).abs().max()) > rel * scale + 1e-6:
+                return False
     return True
 
 
-def choose(graph, run: Callable[[int, torch.Tensor | None], None], outputs: list[torch.Tensor], default_name: str,
-           device: int, timer: Callable | None = None) -> tuple[int, int, str] | None:
+def _cuda_workspace(device: int):
+    return lambda size: torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
+
+
+def choose(graph, run: Callable[[int, torch.Tensor | None], None], outputs: list[torch.Tensor], default: int,
+           device: int, timer: Callable | None = None, alloc: Callable | None = None) -> tuple[int, int, str] | None:
     """Time every plan of ``graph`` with ``run(index, workspace)`` (which executes that plan on the
     call's buffers; ``outputs`` are the buffers it writes) and return ``(index, workspace bytes,
-    name)`` of the plan to run from now on, or None to keep the heuristic's (``default_name``).
-    ``timer(fn)`` gives a run's time (default ``cuda_timer``)."""
-    timer = timer or cuda_timer
-    plans = []
+    name)`` of the plan to run from now on, or None to keep the heuristic's (plan ``default``).
+    ``timer(fn)`` gives a run's time (default ``cuda_timer``), ``alloc(bytes)`` a workspace."""
+    timer, alloc = timer or cuda_timer, alloc or _cuda_workspace(device)
+    plans = {}
     for i in range(int(graph.get_execution_plan_count())):
         try:
-            plans.append((i, str(graph.get_plan_name_at_index(i)), int(graph.get_workspace_size_plan_at_index(i))))
+            plans[i] = (str(graph.get_plan_name_at_index(i)), int(graph.get_workspace_size_plan_at_index(i)))
         except Exception as exc:  # a plan that did not build has no workspace size: not a candidate
             log.debug("plan %d is not a candidate: %s", i, exc)
-    default = next((p for p in plans if p[1] == default_name), None)
-    if default is None or len(plans) < 2:
+    if default not in plans or len(plans) < 2:
         return None
-    times, results = {}, {}
-    for index, name, ws in plans:
-        workspace = torch.empty(ws, dtype=torch.uint8, device=torch.device("cuda", device)) if ws else None
+
+    def timed(index: int) -> float:
+        workspace = alloc(plans[index][1]) if plans[index][1] else None
         try:
-            times[index] = timer(lambda index=index, workspace=workspace: run(index, workspace))
-        except Exception as exc:  # cuDNN declined to run it: not a candidate
-            log.debug("plan %s did not run: %s", name, exc)
+            return timer(lambda: run(index, workspace))
+        finally:
+            del workspace
+
+    base = timed(default)
+    reference = [t.clone() for t in outputs]  # what the heuristic's plan wrote
+    best, best_time = None, (1.0 - MIN_GAIN) * base
+    for index in plans:
+        if index == default:
             continue
-        results[index] = [t.clone() for t in outputs]  # what this plan wrote (its last run)
-    if default[0] not in times:
+        try:
+            took = timed(index)
+        except Exception as exc:  # cuDNN declined to run it: not a candidate
+            log.debug("plan %s did not run: %s", plans[index][0], exc)
+            continue
+        if took >= best_time:
+            continue
+        if not agree(outputs, reference):  # what this plan wrote (its last run)
+            log.warning("cudnn-sdpa-provider: autotune: plan %s disagrees with %s on this call; not chosen",
+                        plans[index][0], plans[default][0])
+            continue
+        best, best_time = index, took
+    if best is None:
         return None
-    best = min(times, key=times.get)
-    if best == default[0] or times[best] > (1.0 - MIN_GAIN) * times[default[0]]:
-        return None
-    chosen = next(p for p in plans if p[0] == best)
-    if not agree(results[best], results[default[0]]):
-        log.warning("cudnn-sdpa-provider: autotune: plan %s disagrees with %s on this call; keeping %s",
-                    chosen[1], default_name, default_name)
-        return None
-    log.info("autotune: plan %s (%.3f ms) replaces %s (%.3f ms)", chosen[1], times[best], default_name,
-             times[default[0]])
-    return chosen[0], chosen[2], chosen[1]
+    log.info("autotune: plan %s (%.3f ms) replaces %s (%.3f ms)", plans[best][0], best_time, plans[default][0], base)
+    return best, plans[best][1], plans[best][0]
+
+
+def tune(p, run: Callable[[int, torch.Tensor | None], None], outputs: list[torch.Tensor], device: int) -> None:
+    """Choose the plan of ``graphs.Plan`` ``p`` on this call's buffers, once (``p.tune`` is cleared):
+    ``p.index``/``workspace``/``name`` become the chosen plan's. Never under
+    ``torch.use_deterministic_algorithms``, whose users want the same plan in every process; any
+    failure (memory for the copies or workspaces, a plan that faults) keeps the heuristic's plan:
+    tuning is never a reason for a call to fail."""
+    p.tune = False
+    if torch.are_deterministic_algorithms_enabled():
+        return
+    try:
+        chosen = choose(p.graph, run, outputs, p.default_index, device)
+    except Exception as exc:
+        log.info("autotune: kept the heuristic's plan %s (%s: %s)", p.name, type(exc).__name__, exc)
+        return
+    if chosen is not None:
+        p.index, p.workspace, p.name = chosen
+        counters.note_plan(p.label, f"{p.name} (autotuned)")
