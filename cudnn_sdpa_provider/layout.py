@@ -44,21 +44,22 @@ def _matching_strides(ref_strides, shape) -> list[int]:
     return strides
 
 
-def dense_out(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:
-    """Output of shape (B, H, S_q, D_v) in ``q``'s dimension order (aten's meta rule)."""
+def _out_like(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     dtype = q.dtype if dtype is None else dtype
     if tuple(q.shape) == tuple(shape):
         return torch.empty_like(q, dtype=dtype)
     return torch.empty_strided(tuple(shape), _matching_strides(q.stride(), shape), dtype=dtype, device=q.device)
+
+
+def dense_out(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    """Output of shape (B, H, S_q, D_v) in ``q``'s dimension order (aten's meta rule)."""
+    return _out_like(q, shape, dtype)
 
 
 def packed_out(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     """Packed output (T, H_q, D_v): ``empty_like(q)`` when the shapes agree (FlashAttention's
     rule; a q that is not dense gives a contiguous output), else in q's dimension order."""
-    dtype = q.dtype if dtype is None else dtype
-    if tuple(q.shape) == tuple(shape):
-        return torch.empty_like(q, dtype=dtype)
-    return torch.empty_strided(tuple(shape), _matching_strides(q.stride(), shape), dtype=dtype, device=q.device)
+    return _out_like(q, shape, dtype)
 
 
 def grad_like(t: torch.Tensor) -> torch.Tensor:
@@ -71,15 +72,19 @@ def packed(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype, device=like.device)
 
 
+def _rows_misaligned(t: torch.Tensor) -> bool:
+    """Whether an outer stride of a dim with extent > 1 is not a multiple of 16 bytes (0 is)."""
+    item = t.element_size()
+    return any((stride * item) % _ALIGN for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
+
+
 def strides_usable(t: torch.Tensor) -> bool:
     """Innermost stride 1, every other stride of a dim with extent > 1 nonzero and 16-byte aligned."""
     if t.stride(-1) != 1 and t.shape[-1] != 1:
         return False
-    item = t.element_size()
-    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
-        if size > 1 and (stride <= 0 or (stride * item) % _ALIGN):
-            return False
-    return True
+    if any(stride == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1):
+        return False
+    return not _rows_misaligned(t)
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -135,10 +140,7 @@ def misaligned(t: torch.Tensor) -> bool:
         return False
     if t.data_ptr() % _ALIGN:
         return True
-    if t.stride(-1) != 1:
-        return False
-    item = t.element_size()
-    return any((st * item) % _ALIGN for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1 and st != 0)
+    return t.stride(-1) == 1 and _rows_misaligned(t)
 
 
 def for_native(t: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,23 @@ def breakdown(fn, calls: int) -> dict:
     return per
 
 
+def cprofile(title: str, fn, calls: int, top: int, scope) -> None:
+    """Print cProfile's ``top`` entries by own time for ``calls`` calls of ``fn`` inside ``scope()``
+    (after one untimed call)."""
+    prof = cProfile.Profile()
+    with scope():
+        fn()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"\ncProfile, {title}, by own time:")
+    print(text.getvalue())
+
+
 class _Rows:
     """Prints each (name, us) row as it is appended, so a failure later keeps what was measured."""
 
@@ -195,32 +212,10 @@ def main() -> None:
         print(f"\nprovider F.sdpa {name}, where the time goes (us per call, one run of {args.calls}): "
               + ", ".join(f"{part} {us:.1f}" for part, us in parts.items()), flush=True)
 
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        prof = cProfile.Profile()
-        sdpa_bwd()
-        prof.enable()
-        for _ in range(args.profile):
-            sdpa_bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-    print(f"\ncProfile, native cuDNN F.sdpa forward+backward x {args.profile}, by own time:")
-    print(text.getvalue())
-
+    cprofile(f"native cuDNN F.sdpa forward+backward x {args.profile}", sdpa_bwd, args.profile, 12,
+             lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION]))
     for name, fn in (("forward", sdpa), ("forward+backward", sdpa_bwd)):
-        prof = cProfile.Profile()
-        with csp.enable():
-            fn()
-            prof.enable()
-            for _ in range(args.profile):
-                fn()
-            prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        print(f"\ncProfile, provider F.sdpa {name} x {args.profile}, by own time:")
-        print(text.getvalue())
+        cprofile(f"provider F.sdpa {name} x {args.profile}", fn, args.profile, 25, csp.enable)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import graphs  # noqa: E402
+from cudnn_sdpa_provider import graphs, tuning  # noqa: E402
 from cudnn_sdpa_provider.bench import MATRIX  # noqa: E402
 
 DEFAULT_CASES = ("varlen_n16_h16_d128_causal", "b4_h16_s4096_d128", "b4_h16_s4096_d128_causal",
@@ -56,15 +55,7 @@ def _run_case(case) -> None:
 
 
 def _time_us(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(repeats)] for _ in range(2))
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+    return tuning.cuda_timer(fn, warmup=3, repeats=repeats) * 1e3  # the package's autotune timer
 
 
 def _sweep(key, uids, buffers, repeats: int) -> list[dict]:
