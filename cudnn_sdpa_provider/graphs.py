@@ -4,8 +4,9 @@ A graph is described by a frozen key (every dim, stride, dtype and option that c
 graph; never a pointer or a value). ``plan(key)`` returns the built graph from a per-thread LRU
 cache, building it on a miss. cuDNN execution plans are not guaranteed thread-safe across engines
 (PyTorch keeps its MHA graph caches thread-local for the same reason), so each thread has its own
-cache and its own cuDNN handle per device; builds therefore never contend. ``execute`` binds the
-handle to the caller's current CUDA stream and runs the plan with fixed tensor uids.
+cache and its own cuDNN handle per device; builds therefore never contend (``clear_cache`` reaches
+every thread's cache). ``execute`` binds the handle to the caller's current CUDA stream and runs
+the plan with fixed tensor uids.
 
 cuDNN's rejections (``cudnnGraphNotSupportedError``, ``ValueError`` on bad attributes, or any
 error during validate/build) become ``NotSupportedError("graph_not_supported", <cuDNN message>)``.
@@ -35,18 +36,7 @@ except Exception as exc:  # pragma: no cover - exercised on machines without the
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
-__all__ = [
-    "Desc",
-    "FwdKey",
-    "BwdKey",
-    "Plan",
-    "UID",
-    "backend_info",
-    "plan",
-    "execute",
-    "cache_info",
-    "clear_cache",
-]
+__all__ = ["Desc", "FwdKey", "BwdKey", "Plan", "UID", "backend_info", "plan", "execute", "cache_info", "clear_cache"]
 
 
 class UID(IntEnum):
@@ -164,13 +154,18 @@ def backend_info() -> tuple[str | None, int | None, str | None]:
 _tls = threading.local()
 _builds_lock = threading.Lock()
 _builds = {"built": 0, "rejected": 0}
+_generation = 0  # bumped by clear_cache: a thread whose caches are older drops them on its next call
 
 
 def _state():
     state = getattr(_tls, "state", None)
     if state is None:
         state = _tls.state = {"handles": {}, "streams": {}, "plans": OrderedDict(), "fast": OrderedDict(),
-                              "capacity": env.cache_size()}
+                              "capacity": env.cache_size(), "generation": _generation}
+    elif state["generation"] != _generation:
+        state["plans"].clear()
+        state["fast"].clear()
+        state["generation"] = _generation
     return state
 
 
@@ -193,10 +188,12 @@ def cache_info() -> dict:
 
 
 def clear_cache() -> None:
-    """Drop this thread's built graphs and fast-path entries (handles are kept)."""
-    state = _state()
-    state["plans"].clear()
-    state["fast"].clear()
+    """Drop the built graphs and fast-path entries of every thread (handles are kept): this thread's
+    now, another thread's (autograd's device threads, which run the backwards) on its next call."""
+    global _generation
+    with _builds_lock:
+        _generation += 1
+    _state()
 
 
 def set_capacity(n: int) -> None:

@@ -85,6 +85,28 @@ def test_a_repeated_signature_reuses_its_binding(fake):
     assert fake_cudnn.FakeGraph.builds == 2, "another alignment is another signature"
 
 
+def test_clear_cache_reaches_the_graphs_another_thread_built(fake):
+    # autograd runs backwards on threads of its own, each with its own cache: clear_cache must
+    # reach those too, or a graph built before it (say, under other settings) keeps running there
+    import threading
+
+    q, k, v = _dense_views("bshd")
+    run = lambda: dense.forward(q, k, v, scale=0.5)  # noqa: E731
+    worker = threading.Thread(target=lambda: (run(), ready.set(), go.wait(), run()))
+    ready, go = threading.Event(), threading.Event()
+    worker.start()
+    ready.wait()
+    run()
+    assert fake_cudnn.FakeGraph.builds == 2, "one graph per thread"
+    graphs.clear_cache()
+    assert graphs.cache_info()["size"] == 0
+    go.set()
+    worker.join()
+    assert fake_cudnn.FakeGraph.builds == 3, "the other thread rebuilt after clear_cache"
+    run()
+    assert fake_cudnn.FakeGraph.builds == 4, "and this one too"
+
+
 def test_padded_dense_out_of_range_lengths_poison_their_batch_row(fake):
     q, k, v = _dense_views("contiguous")
     lq = torch.tensor([16, 5], dtype=torch.int32)
