@@ -27,7 +27,7 @@ import os
 import pstats
 import statistics
 import sys
-from time import perf_counter
+from time import perf_counter, process_time
 
 # CSP_UNDER_TEST=<dir>: import the package from <dir> (with --quick: an older commit's copy)
 sys.path.insert(0, os.environ.get("CSP_UNDER_TEST") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,18 +39,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import cudnn_sdpa_provider as csp  # noqa: E402
 
 
-def per_call_us(fn, calls: int, runs: int = 5) -> float:
+def per_call_us(fn, calls: int, runs: int = 5) -> tuple[float, float]:
+    """(wall, CPU) microseconds per call, each the median of ``runs`` runs of ``calls`` calls. CPU
+    time is the process's, every thread's (autograd runs backwards on a device thread of its own):
+    the host work, without the waits while one thread hands a call to another."""
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, cpu = [], []
     for _ in range(runs):
-        t0 = perf_counter()
+        t0, c0 = perf_counter(), process_time()
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
         times.append((perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+        cpu.append((process_time() - c0) / calls * 1e6)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def breakdown(fn, calls: int) -> dict:
@@ -111,6 +115,32 @@ def cprofile(title: str, fn, calls: int, top: int, scope) -> None:
     print(text.getvalue())
 
 
+def kernels(title: str, fn, calls: int) -> None:
+    """Print what the GPU ran for ``calls`` calls of ``fn`` (after warm-up): each kernel's launches
+    and CUDA time per call, and the host time per call of the busiest operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device = [e for e in events if getattr(e, "device_type", None) is not None
+              and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in device) / calls
+    print(f"\nkernels, {title}, per call over {calls} calls: {total:.1f} us of GPU time", flush=True)
+    for e in sorted(device, key=lambda e: -e.self_device_time_total):
+        print(f"  {e.count / calls:5.1f} x {e.self_device_time_total / calls:8.1f} us  {e.key[:110]}")
+    on_device = {id(e) for e in device}
+    host = sorted((e for e in events if id(e) not in on_device), key=lambda e: -e.self_cpu_time_total)[:15]
+    print(f"host operators, {title}, self CPU us per call:")
+    for e in host:
+        print(f"  {e.count / calls:5.1f} x {e.self_cpu_time_total / calls:8.1f} us  {e.key[:110]}")
+
+
 class _Rows:
     """Prints each (name, us) row as it is appended, so a failure later keeps what was measured."""
 
@@ -119,7 +149,8 @@ class _Rows:
 
     def append(self, row: tuple) -> None:
         name, us = row
-        print(f"  {name.ljust(48)}  {us:8.1f}", flush=True)
+        wall, cpu = us if isinstance(us, tuple) else (us, float("nan"))
+        print(f"  {name.ljust(48)}  {wall:8.1f}  {cpu:8.1f}", flush=True)
 
 
 def main() -> None:
@@ -127,6 +158,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--profile", type=int, default=500)
     parser.add_argument("--quick", action="store_true", help="only the F.sdpa rows, public API only")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also with --quick: cProfile's top entries for N provider forward and N "
+                             "forward+backward calls (public API only)")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also: the GPU kernels of N provider and N native forward+backward calls "
+                             "(torch.profiler), per call")
     args = parser.parse_args()
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -148,7 +185,8 @@ def main() -> None:
         out = csp.attention(qg, kg, vg, is_causal=True)
         torch.autograd.grad(out, (qg, kg, vg), go)
 
-    rows = _Rows(f"host us per call, (1, 2, 128, 64) bf16 causal, {args.calls} calls x 5 runs, median; "
+    rows = _Rows(f"host us per call (wall, CPU of all threads), (1, 2, 128, 64) bf16 causal, {args.calls} calls "
+                 f"x 5 runs, median; "
                  f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         rows.append(("native cuDNN F.sdpa forward", per_call_us(sdpa, args.calls)))
@@ -157,7 +195,14 @@ def main() -> None:
         rows.append(("provider F.sdpa forward", per_call_us(sdpa, args.calls)))
         rows.append(("provider F.sdpa forward+backward", per_call_us(sdpa_bwd, args.calls)))
     print(f"  (package {csp.__file__})", flush=True)
+    if args.kernels:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            kernels("native cuDNN F.sdpa forward+backward", sdpa_bwd, args.kernels)
+        with csp.enable():
+            kernels("provider F.sdpa forward+backward", sdpa_bwd, args.kernels)
     if args.quick:
+        for name, fn in (("forward", sdpa), ("forward+backward", sdpa_bwd)) if args.cprofile else ():
+            cprofile(f"provider F.sdpa {name} x {args.cprofile}", fn, args.cprofile, 40, csp.enable)
         return
     from cudnn_sdpa_provider import dense, graphs, ops, route  # internals: the current package's layout
 
