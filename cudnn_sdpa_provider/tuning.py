@@ -1,15 +1,14 @@
 """Choosing a graph's execution plan by timing every plan cuDNN built for it (opt-in).
 
-cuDNN's heuristic ranks a graph's plans and the provider runs the first that builds. That is not
-always the fastest: for the GQA forward at (1, 32/8, 16384, 128) causal, ``eng2`` with default
-knobs ran 9% faster than the heuristic's ``eng2_k24=7`` on an H200 (``scripts/plan_sweep.py``,
-results/gpu-run28-plan-sweep.txt). With ``CUDNN_SDPA_PROVIDER_AUTOTUNE=1`` (``env.autotune``) a
-graph is built with all of its plans, and its first execute outside a CUDA-graph capture times each
-on that call's own buffers (CUDA events, after warm-up, median) and keeps the fastest, but only
-when it is at least ``MIN_GAIN`` faster than the heuristic's plan and its outputs agree with that
-plan's (``agree``): a plan that computes something else is never chosen, and any failure while
-tuning (memory, a plan that does not run) keeps the heuristic's plan. The first call pays for it:
-the build of every plan, their workspaces and copies of the outputs, and a wait for the device.
+cuDNN's heuristic ranks a graph's plans and the provider runs the first that builds, which need
+not be the fastest on a given GPU and shape (``scripts/plan_sweep.py`` times them all). With
+``CUDNN_SDPA_PROVIDER_AUTOTUNE=1`` (``env.autotune``) a graph is built with all of its plans, and
+its first execute outside a CUDA-graph capture times each on that call's own buffers (CUDA events,
+after warm-up, median) and keeps the fastest, but only when it is at least ``MIN_GAIN`` faster than
+the heuristic's plan and its outputs agree with that plan's (``agree``): a plan that computes
+something else is never chosen, and any failure while tuning (memory, a plan that does not run)
+keeps the heuristic's plan. The first call pays for it: the build of every plan, their workspaces
+and copies of the outputs, and a wait for the device.
 """
 
 from __future__ import annotations
