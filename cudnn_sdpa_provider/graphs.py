@@ -131,6 +131,7 @@ class Plan:
     index: int | None = None  # the plan tuning chose (executed by index), None: the graph's own
     label: str = ""  # describe(key), for telemetry
     default_index: int = 0  # the heuristic's plan (the graph's selected one when built)
+    generation: int = 0  # clear_cache's count when its build began (a plan of an older one is never cached)
 
 
 def backend_info() -> tuple[str | None, int | None, str | None]:
@@ -189,7 +190,9 @@ def cache_info() -> dict:
 
 def clear_cache() -> None:
     """Drop the built graphs and fast-path entries of every thread (handles are kept): this thread's
-    now, another thread's (autograd's device threads, which run the backwards) on its next call."""
+    now, another thread's (autograd's device threads, which run the backwards) on its next call, so
+    a thread that makes no more calls keeps its graphs' memory until it does. A graph whose build
+    was under way during the clear is used by its call and not cached."""
     global _generation
     with _builds_lock:
         _generation += 1
@@ -219,6 +222,9 @@ def fast_get(signature: tuple):
 
 
 def fast_put(signature: tuple, entry) -> None:
+    """Cache a binding, unless its graph was built before a ``clear_cache`` (from any thread)."""
+    if getattr(getattr(entry, "plan", None), "generation", _generation) != _generation:
+        return
     state = _state()
     fast = state["fast"]
     fast[signature] = entry
@@ -236,15 +242,18 @@ def plan(key) -> Plan:
         if isinstance(found, tuple):  # a rejection: a fresh exception each time (a reused one would
             raise NotSupportedError(*found)  # collect every raising call's frames in its traceback)
         return found
+    generation = _generation
     try:
         built = _build(key, _handle(key.device))
+        built.generation = generation
     except NotSupportedError as exc:
         built = (exc.reason, exc.detail)  # remember rejections too: not rebuilt on every call
     with _builds_lock:
         _builds["rejected" if isinstance(built, tuple) else "built"] += 1
     if not isinstance(built, tuple):
         counters.note_plan(describe(key), built.name)
-    plans[key] = built
+    if generation == _generation:  # a clear_cache during the build: this call uses it, nothing keeps it
+        plans[key] = built
     while len(plans) > state["capacity"]:
         plans.popitem(last=False)
     if isinstance(built, tuple):
@@ -325,15 +334,9 @@ _IO = {}
 
 def _dt(dtype: torch.dtype):
     if not _IO:
-        _IO.update(
-            {
-                torch.float16: cudnn.data_type.HALF,
-                torch.bfloat16: cudnn.data_type.BFLOAT16,
-                torch.float32: cudnn.data_type.FLOAT,
-                torch.int32: cudnn.data_type.INT32,
-                torch.int64: cudnn.data_type.INT64,
-            }
-        )
+        t = cudnn.data_type
+        _IO.update({torch.float16: t.HALF, torch.bfloat16: t.BFLOAT16, torch.float32: t.FLOAT, torch.int32: t.INT32,
+                    torch.int64: t.INT64})
     return _IO[dtype]
 
 
@@ -382,12 +385,8 @@ def _ragged(g, t, uid: UID, batch: int):
 
 
 def _new_graph(key, handle):
-    return cudnn.pygraph(
-        io_data_type=_dt(key.q.dtype),
-        intermediate_data_type=cudnn.data_type.FLOAT,
-        compute_data_type=cudnn.data_type.FLOAT,
-        handle=handle,
-    )
+    return cudnn.pygraph(io_data_type=_dt(key.q.dtype), intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, handle=handle)
 
 
 def _build_fwd(key: FwdKey, handle):

@@ -190,7 +190,7 @@ def _selection_reason(p: support.Problem) -> Reason:
 
 
 def clear() -> None:
-    """Forget this thread's cached decisions (tests; graphs.clear_cache)."""
+    """Forget this thread's cached decisions (tests)."""
     _cache().clear()
 
 

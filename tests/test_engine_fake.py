@@ -92,19 +92,51 @@ def test_clear_cache_reaches_the_graphs_another_thread_built(fake):
 
     q, k, v = _dense_views("bshd")
     run = lambda: dense.forward(q, k, v, scale=0.5)  # noqa: E731
-    worker = threading.Thread(target=lambda: (run(), ready.set(), go.wait(), run()))
-    ready, go = threading.Event(), threading.Event()
-    worker.start()
-    ready.wait()
+    ready, go, errors = threading.Event(), threading.Event(), []
+
+    def worker():
+        try:
+            run()
+            ready.set()
+            assert go.wait(30)
+            run()
+        except BaseException as exc:  # re-raised by the test
+            errors.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert ready.wait(30) and not errors, errors
     run()
     assert fake_cudnn.FakeGraph.builds == 2, "one graph per thread"
     graphs.clear_cache()
     assert graphs.cache_info()["size"] == 0
     go.set()
-    worker.join()
+    thread.join(30)
+    assert not errors, errors
     assert fake_cudnn.FakeGraph.builds == 3, "the other thread rebuilt after clear_cache"
     run()
     assert fake_cudnn.FakeGraph.builds == 4, "and this one too"
+
+
+def test_a_graph_built_across_a_clear_cache_serves_its_call_and_is_not_kept(fake, monkeypatch):
+    real = graphs._build
+
+    def build_while_another_thread_clears(key, handle):
+        built = real(key, handle)
+        graphs.clear_cache()  # what another thread's clear_cache does to this build
+        return built
+
+    q, k, v = _dense_views("bshd")
+    monkeypatch.setattr(graphs, "_build", build_while_another_thread_clears)
+    out, _ = dense.forward(q, k, v, scale=0.5)
+    want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.5, compute_dtype=torch.float64)
+    assert_rel_close(out, want, TOL, "out")
+    assert graphs.cache_info()["size"] == 0
+    assert not graphs._state()["fast"], "no binding of the stale graph is kept"
+    monkeypatch.setattr(graphs, "_build", real)
+    dense.forward(q, k, v, scale=0.5)
+    assert fake_cudnn.FakeGraph.builds == 2, "the next call builds afresh"
 
 
 def test_padded_dense_out_of_range_lengths_poison_their_batch_row(fake):
