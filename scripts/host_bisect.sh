@@ -40,5 +40,6 @@ for d in sys.argv[2:]:
     name = os.path.basename(d.rstrip("/"))
     mine = [r[2:] for r in rows if r[0] == name and len(r) == 8]
     cols = [statistics.median(float(x) for x in c) for c in zip(*mine)] if mine else []
-    print(f"{name:<24} {'med':>5} " + " ".join(f"{m:{10 if i < 2 else 14}.1f}" for i, m in enumerate(cols)))
+    print(f"{name:<24} {'med':>5} " + " ".join(f"{m:{10 if i < 2 else 14}.1f}" for i, m in enumerate(cols))
+          + f"  ({len(mine)} rounds)")
 PY

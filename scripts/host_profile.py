@@ -1,13 +1,17 @@
 """Where the host time of a served call goes, at the tiny shape (1, 2, 128, 64) bf16 causal (GPU).
 
-    python3 scripts/host_profile.py [--calls 2000] [--profile 500] [--quick]
+    python3 scripts/host_profile.py [--calls 2000] [--profile 500] [--quick] [--kernels N] [--cprofile N]
 
 ``--quick``: only the four F.sdpa rows (native and provider, forward and forward+backward), through
 the public API alone, so ``CSP_UNDER_TEST=<dir>`` can time another copy of the package (an older
 commit's) on the same host for an A/B.
 
-Layer by layer, microseconds of wall time per call over ``--calls`` back-to-back calls (one sync
-at the end; the median of 5 such runs): PyTorch's native cuDNN path, the provider through F.sdpa,
+``--kernels N``: the GPU kernels of N forward+backward calls (torch.profiler), native and provider.
+``--cprofile N`` (with ``--quick``): cProfile of N provider forward and forward+backward calls.
+
+Layer by layer, microseconds per call over ``--calls`` back-to-back calls (one sync at the end; the
+median of 5 such runs), wall time and the CPU time of all threads (which includes the final sync's
+spin, and equals the wall time when the process is pinned to one core): PyTorch's native cuDNN path, the provider through F.sdpa,
 ``csp.attention`` (eager, and through its custom ops as compiled code gets it), the route's decision
 for a seen signature (``route.entry`` + ``route.call`` around nothing), ``dense.forward`` through its
 binding, ``graphs.execute`` (handle stream + workspace + the frontend's execute) and the frontend's

@@ -41,8 +41,9 @@ def test_each_copy_gets_a_row_per_round_with_its_own_figures(tmp_path):
                     ["new", "1", "17.8", "58.2", "137.7", "465.3", "147.7", "475.3"],
                     ["new", "2", "17.8", "58.2", "137.7", "465.3", "157.7", "485.3"]]
     assert lines[5] == "medians over the rounds:"
-    assert [line.split() for line in lines[6:]] == [["old", "med", "16.7", "50.3", "130.0", "313.2", "145.0", "328.2"],
-                                                  ["new", "med", "17.8", "58.2", "137.7", "465.3", "152.7", "480.3"]]
+    assert [line.split() for line in lines[6:]] == [
+        ["old", "med", "16.7", "50.3", "130.0", "313.2", "145.0", "328.2", "(2", "rounds)"],
+        ["new", "med", "17.8", "58.2", "137.7", "465.3", "152.7", "480.3", "(2", "rounds)"]]
 
 
 def test_a_directory_without_the_package_and_no_arguments_are_usage_errors(tmp_path):
