@@ -132,6 +132,17 @@ def test_inference_mode_first_then_training(cuda_like):
     assert second[6].shape == () and second[6].data_ptr() % 16 == 0
 
 
+def test_philox_stand_ins_are_fresh_distinct_blocks_and_nothing_kept_holds_memory():
+    with torch.inference_mode():
+        first = overrides._unused_philox(torch.device("cpu"))
+    seed, offset = overrides._unused_philox(torch.device("cpu"))
+    assert all(t.is_inference() for t in first) and not (seed.is_inference() or offset.is_inference())
+    pointers = {t.untyped_storage().data_ptr() for t in (*first, seed, offset)}
+    assert len(pointers) == 4, "each call gets blocks of its own"
+    assert seed.shape == offset.shape == () and seed.dtype == offset.dtype == torch.int64
+    assert all(t.numel() == 0 and t.untyped_storage().nbytes() == 0 for t in overrides._TEMPLATES.values())
+
+
 def test_varlen_override_serves_and_follows_native_layout(cuda_like):
     t, h, d = 12, 2, 8
     storage = torch.randn(3, h, t, d)
