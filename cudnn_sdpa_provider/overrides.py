@@ -46,19 +46,14 @@ def _scale(scale, q) -> float:
 _WINDOWS = {flag: support.canonical_window(flag, None) for flag in (False, True)}
 
 
-_TEMPLATES: dict = {}  # device -> a zero-element int64 tensor: it holds no memory, only dtype and device
-
-
 def _unused_philox(device: torch.device) -> tuple:
-    """The philox seed/offset outputs of a call without dropout (returned, never read). Fresh per call:
-    a pair kept across calls would be made in the first call's context (an inference tensor that
-    training cannot save; a block of a CUDA-graph pool, which cudagraph trees reject as untracked).
-    Made by ``new_empty`` from a zero-element template (cheaper than ``torch.empty``; holding no
-    memory, it is safe to keep); fresh blocks are 16-byte aligned, as inductor asserts of outputs."""
-    template = _TEMPLATES.get(device)
-    if template is None:
-        template = _TEMPLATES.setdefault(device, torch.empty(0, dtype=torch.int64, device=device))
-    return template.new_empty(()), template.new_empty(())
+    """The philox seed/offset outputs of a call without dropout: the op must return them and nothing
+    reads them. Fresh per call, never cached: a tensor kept across calls would be made inside
+    whatever context the first call ran in (an inference tensor under ``torch.inference_mode()``,
+    which training then cannot save; a block of a CUDA-graph pool under ``torch.compile(mode=
+    "reduce-overhead")``, which cudagraph trees reject as an untracked allocation). Fresh blocks are
+    16-byte aligned, as inductor asserts of outputs."""
+    return (torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device))
 
 
 def _traced(t) -> bool:

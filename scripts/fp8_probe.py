@@ -11,15 +11,15 @@ its amax outputs beside the true ones, and CUDA-event medians of the graph's exe
 bf16 F.sdpa (cuDNN backend). O is FP8 by default below compute capability 10 (cuDNN serves a bf16 O
 from FP8 inputs on Blackwell and newer only); ``--stats`` also writes the softmax stats (what a
 training forward needs; native is then timed with inputs that require grad, so it writes its LSE
-too). Exit status 1 when no length could be measured. The package is not involved: this measures
-what an FP8 path through it could reach.
+too). Exit status 1 when no length could be measured. The package serves no call here (only its
+CUDA-event timer, ``tuning.cuda_timer``, is used): this measures what an FP8 path through it could
+reach.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,6 +28,8 @@ import cudnn  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from cudnn_sdpa_provider.tuning import cuda_timer  # noqa: E402  (median ms by CUDA events)
 
 E4M3_MAX = 448.0
 UIDS = dict(q=1, k=2, v=3, o=4, stats=5, amax_s=6, amax_o=7, descale_q=8, descale_k=9, descale_v=10,
@@ -67,19 +69,6 @@ def build(b, h, s, d, causal: bool, o_fp8: bool, stats_out: bool, handle):
     return g
 
 
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for a, z in zip(starts, ends):
-        a.record()
-        fn()
-        z.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(z) for a, z in zip(starts, ends))
-
-
 def probe(s: int, args, handle) -> bool:
     b, h, d = 1, args.heads, args.dim
     gen = torch.Generator(device="cuda").manual_seed(s)
@@ -112,9 +101,9 @@ def probe(s: int, args, handle) -> bool:
     nq, nk, nv = (t.detach().requires_grad_(args.stats) for t in (q, k, v))  # with grad: native writes its LSE
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         native = F.scaled_dot_product_attention(nq, nk, nv, is_causal=not args.no_causal).detach()
-        native_ms = median_ms(lambda: F.scaled_dot_product_attention(nq, nk, nv, is_causal=not args.no_causal),
-                              args.repeats)
-    fp8_ms = median_ms(run, args.repeats)
+        native_ms = cuda_timer(lambda: F.scaled_dot_product_attention(nq, nk, nv, is_causal=not args.no_causal),
+                               warmup=3, repeats=args.repeats)
+    fp8_ms = cuda_timer(run, warmup=3, repeats=args.repeats)
     top = ref.abs().max().item()
     flops = 4 * b * h * s * s * d / (2 if not args.no_causal else 1)
     print(f"S={s:6d}  fp8 {fp8_ms:7.3f} ms ({flops / fp8_ms / 1e9:6.1f} TFLOP/s)  bf16 native {native_ms:7.3f} ms "

@@ -119,9 +119,8 @@ def test_dense_override_serves_marks_and_backward_follows(cuda_like):
     assert region.served["dense_fwd"] == 1 and region.served["dense_bwd"] == 1
 
 
-def test_inference_mode_first_then_training(cuda_like, monkeypatch):
+def test_inference_mode_first_then_training(cuda_like):
     """Issue #14 item 4: nothing made under inference_mode is reused by a training call."""
-    monkeypatch.setattr(overrides, "_TEMPLATES", {})  # the first call (inference mode) makes the template
     q, k, v = _qkv((1, 2, 8, 8), requires_grad=False)
     kernels = overrides._Dense(_Original(), _Original())
     with torch.inference_mode():
@@ -133,8 +132,7 @@ def test_inference_mode_first_then_training(cuda_like, monkeypatch):
     assert second[6].shape == () and second[6].data_ptr() % 16 == 0
 
 
-def test_philox_stand_ins_are_fresh_distinct_blocks_and_nothing_kept_holds_memory(monkeypatch):
-    monkeypatch.setattr(overrides, "_TEMPLATES", {})  # the template is made under inference mode here
+def test_philox_stand_ins_are_fresh_distinct_blocks_in_the_calling_context():
     with torch.inference_mode():
         first = overrides._unused_philox(torch.device("cpu"))
     seed, offset = overrides._unused_philox(torch.device("cpu"))
@@ -142,7 +140,6 @@ def test_philox_stand_ins_are_fresh_distinct_blocks_and_nothing_kept_holds_memor
     pointers = {t.untyped_storage().data_ptr() for t in (*first, seed, offset)}
     assert len(pointers) == 4, "each call gets blocks of its own"
     assert seed.shape == offset.shape == () and seed.dtype == offset.dtype == torch.int64
-    assert all(t.numel() == 0 and t.untyped_storage().nbytes() == 0 for t in overrides._TEMPLATES.values())
 
 
 def test_varlen_override_serves_and_follows_native_layout(cuda_like):
