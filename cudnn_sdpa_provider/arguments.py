@@ -14,8 +14,8 @@ import math
 
 import torch
 
-__all__ = ["require_tensor", "readable", "common", "lengths", "cu_seqlens", "max_seqlen", "scale", "dropout", "flag",
-           "validate_mode", "check_lengths", "check_cu_seqlens"]
+__all__ = ["require_tensor", "readable", "common", "lengths", "block_table", "cu_seqlens", "max_seqlen", "scale",
+           "dropout", "flag", "validate_mode", "check_lengths", "check_cu_seqlens", "check_block_table"]
 
 
 def require_tensor(name: str, t) -> None:
@@ -72,13 +72,23 @@ def _int32_vector(name: str, t, device, shape_ok: bool, expected: str) -> torch.
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+    if t.dtype == torch.int32:
+        return t
+    # int64 values beyond int32 stay out of range (they would wrap into plausible ones)
+    return t.clamp(min=-1, max=2**31 - 1).to(torch.int32)
 
 
 def lengths(name: str, t, batch: int, device) -> torch.Tensor:
     """(B,) int32/int64 lengths on q's device, as int32."""
     ok = isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == batch
     return _int32_vector(name, t, device, ok, f"have shape ({batch},) (one length per batch row)")
+
+
+def block_table(t, batch: int, device) -> torch.Tensor:
+    """(B, M) int32/int64 block table on q's device, M >= 1, as int32."""
+    ok = isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == batch and t.shape[1] >= 1
+    return _int32_vector("block_table", t, device, ok, f"have shape ({batch}, M) with M >= 1 (a row of cache block "
+                         "indices per sequence)")
 
 
 def cu_seqlens(name: str, t, device) -> torch.Tensor:
@@ -146,3 +156,13 @@ def check_cu_seqlens(name: str, t: torch.Tensor, tokens: int, max_name: str, max
                              f"{max_len}; pass the longest sequence length")
     if cu[-1] > tokens:
         raise ValueError(f"{name}[-1] = {cu[-1]} runs past the {tokens} packed tokens of the tensor")
+
+
+def check_block_table(table: torch.Tensor, seq_len_kv: torch.Tensor, blocks: int, block_size: int) -> None:
+    """Every table entry a sequence's keys use (the first ceil(seq_len_kv / block_size)) in [0, blocks)."""
+    rows, lengths = _host(table), _host(seq_len_kv)
+    for b, (row, n) in enumerate(zip(rows, lengths)):
+        for j in range(-(-n // block_size)):
+            if not 0 <= row[j] < blocks:
+                raise ValueError(f"block_table[{b}, {j}] = {row[j]} is outside [0, N = {blocks}) (the cache's blocks), "
+                                 f"and sequence {b} uses it (seq_lens_kv[{b}] = {n})")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import layout, reference
+from . import layout, reference, rows
 
-__all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd"]
+__all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "gather_pages", "paged_fwd"]
 
 
 def _compute_dtype(q) -> torch.dtype:
@@ -81,3 +81,22 @@ def varlen_bwd(grad_out, q, k, v, cu_q, cu_kv, max_q, max_kv, sinks, scale, wind
         outs.append(dst)
     dsinks = grads[3].to(torch.float32) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return outs[0], outs[1], outs[2], dsinks
+
+
+def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(B, H, M x block_size, D): each sequence's blocks of a (N, H, block_size, D) cache in the
+    order of its row of the (B, M) table, as one dense copy (entries must be in [0, N))."""
+    _, h, block_size, d = cache.shape
+    b, m = table.shape
+    return cache[table.long()].permute(0, 2, 1, 3, 4).reshape(b, h, m * block_size, d)
+
+
+def paged_fwd(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, sinks, scale, window, bottom_right):
+    """The paged forward as a gather and the dense composite, with the cuDNN path's guard
+    (``rows.paged_guard``): bad rows are NaN. Differentiable (q, the caches and sinks get
+    gradients through autograd), which is how a paged call that needs grad is computed."""
+    safe_table, safe_q, safe_kv, bad = rows.paged_guard(table, seq_len_q, seq_len_kv, k_cache.shape[0],
+                                                        k_cache.shape[2], q.shape[2])
+    k, v = gather_pages(k_cache, safe_table), gather_pages(v_cache, safe_table)
+    out, lse = dense_fwd(q, k, v, sinks, None, safe_q, safe_kv, scale, window, bottom_right)
+    return out.masked_fill_(bad, float("nan")), lse  # in place: out keeps q's dimension order

@@ -5,7 +5,7 @@ so torch.compile neither recompiles nor under-counts compiled regions because of
 
 ``stats().to_dict()`` is exactly::
 
-    {"dense_fwd": {"served": int, "fallback": {reason_slug: int, ...}}, ... all four paths ...}
+    {"dense_fwd": {"served": int, "fallback": {reason_slug: int, ...}}, ... every path in PATHS ...}
 
 In strict mode a refused call is counted in ``fallback[reason]`` (it did not run on cuDNN, and the
 slug says why) and also in ``stats().refused``, so an audit shows what was refused and why.

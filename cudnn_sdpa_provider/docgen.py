@@ -77,6 +77,9 @@ _CONSTANTS = {
     "BLOCKED_CUDNN": "releases withdrawn for SDPA correctness bugs; never used",
     "SINK_MIN": "attention sinks: forward, and the dense backward",
     "SINK_RAGGED_BWD_MIN": "attention sinks: backward on packed (varlen) inputs",
+    "PAGED_WIDE_MIN": "paged KV caches (`csp.attention(block_table=)`) with head dims > 128, and a masked paged "
+                      "decode (S_q == 1), below this are refused by cudnn-frontend's own SDPA checks (1.32, "
+                      "`sdpa_support_surface.h`)",
     "DETERMINISTIC_SMALL_WS_MIN": "from here the sm_90 deterministic backward needs no O(B*H*S_q*S_kv) workspace",
     "DROPOUT_BROKEN": "dropout is broken from the first version up to, not including, the second; dropout "
                       "calls there fall back with `cudnn_bug`",
@@ -192,12 +195,12 @@ def _reason_text(found) -> str:
 
 
 def _example_stats():
-    """A fixed snapshot: a bf16 run with two float32 calls, and varlen sinks on cuDNN 9.19."""
+    """A fixed snapshot: a bf16 run with two float32 calls, varlen sinks on cuDNN 9.19, and paged decode."""
     from .counters import Stats
 
-    served = {"dense_fwd": 24, "dense_bwd": 24, "varlen_fwd": 8, "varlen_bwd": 6}
+    served = {"dense_fwd": 24, "dense_bwd": 24, "varlen_fwd": 8, "varlen_bwd": 6, "paged_fwd": 16}
     fallback = {"dense_fwd": {"dtype": 2}, "dense_bwd": {"dtype": 2}, "varlen_fwd": {},
-                "varlen_bwd": {"sink_backward_ragged": 2}}
+                "varlen_bwd": {"sink_backward_ragged": 2}, "paged_fwd": {}}
     return Stats(MappingProxyType(served), MappingProxyType({p: MappingProxyType(fallback[p]) for p in PATHS}))
 
 
@@ -231,7 +234,7 @@ def telemetry_page() -> str:
         _HEADER,
         "# Telemetry",
         "",
-        "Every attention call the provider sees is counted on one of four paths, as **served** (it ran on "
+        "Every attention call the provider sees is counted on one of five paths, as **served** (it ran on "
         "a cuDNN graph this package built) or as a **fallback** with one reason slug (it ran on PyTorch's "
         "own kernel, or on the aten composite for what no aten kernel does). Slugs are public API: they "
         "never change meaning; messages may.",

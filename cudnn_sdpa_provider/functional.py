@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from . import arguments, ops, rows, scope, support  # noqa: F401  (ops registers cudnn_sdpa::*)
+from . import arguments, composite, ops, paged_ops, route, rows, scope, support  # noqa: F401  (cudnn_sdpa::*)
 
 __all__ = ["attention"]
 
 
 def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_right=False, sinks=None,
               seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
-              max_seqlen_kv=None, dropout_p=0.0, return_lse=False, validate=None):
+              max_seqlen_kv=None, dropout_p=0.0, return_lse=False, validate=None, block_table=None):
     """Scaled dot-product attention on cuDNN graphs, forward and backward.
 
     Args:
@@ -41,7 +41,16 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         dropout_p: attention dropout (dense inputs). The forward draws a Philox (seed, offset) pair
             from torch's generator (``torch.manual_seed`` reproduces it) and its backward reuses it.
         return_lse: also return the log-sum-exp: (B, H, S_q, 1) dense, (T, H) packed, fp32.
-        validate: check the values of lengths and prefix sums (ValueError naming the argument).
+        block_table: (B, M) int32 on q's device: k and v are then a paged KV cache, (N, H_k,
+            block_size, D) with any strides (a vLLM/FlashAttention cache (N, block_size, H, D) is
+            its ``.transpose(1, 2)``), row b of the table lists sequence b's blocks in order, and
+            ``seq_lens_kv`` (required) holds each sequence's cached tokens (at most M x block_size);
+            q is dense (B, H_q, S_q, D) with ``seq_lens_q`` (default S_q). Decode is S_q = 1; for
+            chunked prefill, whose queries are each sequence's last tokens, pass ``is_causal=True,
+            bottom_right=True``. Forward only: with inputs that require grad it runs a gather and
+            the composite (counted as a fallback, ``paged_backward``; under torch.compile a graph
+            break, so ``fullgraph=True`` refuses it). No dropout, no packed q.
+        validate: check the values of lengths, prefix sums and block tables (ValueError naming the argument).
             None (default): where it is free, i.e. on CPU tensors; True: also on the GPU, at the
             cost of one host-device sync per call; False: never. Values are read only in eager code
             on real tensors, never while compiling or tracing. Unchecked out-of-range values on the
@@ -56,7 +65,7 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         (1, 2, 8, 16)
     """
     varlen = cu_seqlens_q is not None
-    arguments.common(q, k, v, sinks, 3 if varlen else 4)
+    arguments.common(q, k, v, sinks, 3 if varlen and block_table is None else 4)
     window = support.canonical_window(is_causal, window)
     arguments.flag("bottom_right", bottom_right)
     arguments.flag("return_lse", return_lse)
@@ -67,6 +76,15 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
     sinks32 = sinks.float() if sinks is not None else None
     # Compiled code cannot read the scope while tracing; its kernels read it when they run.
     fallback = torch.compiler.is_compiling() or not scope.strict()
+    if block_table is not None:
+        if varlen or cu_seqlens_kv is not None or max_seqlen_q is not None or max_seqlen_kv is not None:
+            raise ValueError("block_table takes a dense q (B, H, S_q, D) with seq_lens_q / seq_lens_kv; cu_seqlens "
+                             "and max_seqlen (packed queries) are not served with a paged cache")
+        if dropout_p:
+            raise ValueError("dropout_p is not supported with block_table (a paged KV cache is for inference)")
+        out, lse = _paged(q, k, v, block_table, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv,
+                          return_lse, fallback, check_values)
+        return (out, lse) if return_lse else out
     if varlen:
         if dropout_p:
             raise ValueError("dropout_p is not supported with packed (cu_seqlens) inputs; use dense inputs")
@@ -116,3 +134,39 @@ def _varlen(q, k, v, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_
     fwd = ops.VarlenFunction.apply if eager else torch.ops.cudnn_sdpa.varlen_fwd
     out, lse = fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks32, scale, window[0], window[1], bottom_right, fallback)
     return (out, lse) if return_lse else out
+
+
+def _paged(q, k_cache, v_cache, table, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv, return_lse,
+           fallback, check_values):
+    b, s_q = q.shape[0], q.shape[2]
+    table = arguments.block_table(table, b, q.device)
+    if k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[2] != v_cache.shape[2]:
+        raise ValueError(f"k and v caches must have the same blocks (N, ., block_size, .), got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    if seq_lens_kv is None:
+        raise ValueError("block_table needs seq_lens_kv: (B,) int32, each sequence's number of cached tokens")
+    seq_lens_kv = arguments.lengths("seq_lens_kv", seq_lens_kv, b, q.device)
+    if seq_lens_q is None:
+        seq_lens_q = torch.full((b,), s_q, dtype=torch.int32, device=q.device)
+    seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, b, q.device)
+    if check_values:
+        arguments.check_lengths("seq_lens_q", seq_lens_q, s_q, "S_q")
+        arguments.check_lengths("seq_lens_kv", seq_lens_kv, table.shape[1] * k_cache.shape[2], "M x block_size")
+        arguments.check_block_table(table, seq_lens_kv, k_cache.shape[0], k_cache.shape[2])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks32)):
+        return _paged_with_grad(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window,
+                                bottom_right)
+    eager = ops.eager(q, k_cache, v_cache, sinks32, table, seq_lens_q, seq_lens_kv)
+    fwd = paged_ops.run_eager[q.device.type] if eager else torch.ops.cudnn_sdpa.paged_fwd
+    return fwd(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window[0], window[1],
+               bottom_right, return_lse, fallback)
+
+
+@torch.compiler.disable  # eager even inside compiled code (a graph break), so that each call is counted
+def _paged_with_grad(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window, bottom_right):
+    """A paged call that needs grad: the differentiable composite (cuDNN's paged graph has no backward)."""
+    found = paged_ops.entry(q, k_cache, v_cache, table, sinks32, window, bottom_right, grad=True)
+    return route.call("paged_fwd", found, None, lambda reason: composite.paged_fwd(
+        q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window, bottom_right),
+        lambda: route.describe_call(q=q, k_cache=k_cache, block_table=table, window=window, bottom_right=bottom_right),
+        strict=scope.strict())  # read when it runs: this function is never traced

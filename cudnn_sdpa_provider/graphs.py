@@ -66,19 +66,20 @@ class UID(IntEnum):
     RAG_DK = 24
     RAG_DV = 25
     RNG_DUMP = 26
+    PAGE_K = 27
+    PAGE_V = 28
 
 
 @dataclass(frozen=True)
 class Desc:
     """A tensor as cuDNN sees it: dims and strides (elements), plus its dtype."""
-
     dims: tuple
     strides: tuple
     dtype: torch.dtype
 
 
 @dataclass(frozen=True)
-class FwdKey:
+class FwdKey:  # every field that changes the graph; never a pointer or a value
     device: int
     q: Desc
     k: Desc
@@ -94,7 +95,7 @@ class FwdKey:
     ragged: bool = False
     dropout_p: float = 0.0
     rng_dump: bool = False  # tests: also write the realised dropout keep-mask
-
+    pages: tuple | None = None  # paged KV: (block table Desc (B, 1, M, 1), M x block size); k/v are the caches
 
 @dataclass(frozen=True)
 class BwdKey:
@@ -269,7 +270,8 @@ def describe(key) -> str:
     flags = [f for f, on in (("bottom_right", key.bottom_right), ("sinks", key.sinks), ("bias", key.bias is not None),
                              ("padded", key.padded), ("varlen", key.ragged),
                              ("deterministic", getattr(key, "deterministic", False)),
-                             ("padded_lse", getattr(key, "padded_lse", False))) if on]
+                             ("padded_lse", getattr(key, "padded_lse", False)),
+                             ("paged", getattr(key, "pages", None) is not None)) if on]
     if key.dropout_p:
         flags.append(f"dropout={key.dropout_p}")
     if getattr(key, "max_total", None):
@@ -373,6 +375,10 @@ def _mask_kwargs(g, key) -> dict:
         kw["sink_token"] = g.tensor(name="sink", dim=[1, h, 1, 1], stride=[h, 1, 1, 1], data_type=cudnn.data_type.FLOAT, uid=int(UID.SINK))
     if key.bias is not None:
         kw["bias"] = _tensor(g, UID.BIAS, key.bias)
+    if getattr(key, "pages", None) is not None:  # one table for K and V, bound twice
+        table, kw["paged_attention_max_seq_len_kv"] = key.pages
+        kw["paged_attention_k_table"] = _tensor(g, UID.PAGE_K, table)
+        kw["paged_attention_v_table"] = _tensor(g, UID.PAGE_V, table)
     if key.dropout_p > 0.0:
         seed = g.tensor(name="seed", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=int(UID.SEED))
         offset = g.tensor(name="offset", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=int(UID.OFFSET))

@@ -14,8 +14,9 @@ from typing import NamedTuple
 
 __all__ = ["Slug", "Reason", "CATALOG", "PATHS"]
 
-#: The four paths: op names, counter keys, CLI rows and test ids all use these names.
-PATHS = ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd")
+#: The paths: op names, counter keys, CLI rows and test ids all use these names. ``paged_fwd`` is
+#: ``csp.attention`` with a ``block_table`` (a paged KV cache; forward only).
+PATHS = ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "paged_fwd")
 
 
 class Slug(str, enum.Enum):
@@ -46,6 +47,8 @@ class Slug(str, enum.Enum):
     RANK = "rank"
     SOFTCAP = "softcap"
     PAGED_KV = "paged_kv"
+    PAGED_BLOCK_SIZE = "paged_block_size"
+    PAGED_BACKWARD = "paged_backward"
     UNSUPPORTED_ARGUMENT = "unsupported_argument"
 
     def __str__(self) -> str:
@@ -167,6 +170,16 @@ CATALOG: dict[str, tuple[str, str]] = {
     Slug.PAGED_KV.value: (
         "A varlen_attn call with seqused_k / block_table (a paged KV cache) is not served.",
         "Nothing to do; it runs on PyTorch's kernel.",
+    ),
+    Slug.PAGED_BLOCK_SIZE.value: (
+        "A paged KV cache (csp.attention with block_table) whose block size is not a power of 2; cuDNN's paged "
+        "attention reads power-of-2 blocks only.",
+        "Allocate the cache in blocks of 1, 2, 4, ..., 256 tokens; the call runs on the composite (a gather).",
+    ),
+    Slug.PAGED_BACKWARD.value: (
+        "A paged KV call (csp.attention with block_table) whose inputs require grad: cuDNN's paged attention "
+        "is a forward (inference) graph with no backward.",
+        "Run decode under torch.no_grad()/inference_mode(); with grad the composite (a gather) computes it.",
     ),
     Slug.UNSUPPORTED_ARGUMENT.value: (
         "The call passes an argument the provider does not serve (the message names it), e.g. an argument a "

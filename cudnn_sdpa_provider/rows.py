@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 
-__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths", "fill_words", "fill", "padded_lse",
-           "sink_grad_dense", "sink_grad_packed", "new_philox"]
+__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths", "paged_guard", "paged_dead_rows", "fill_words", "fill",
+           "padded_lse", "sink_grad_dense", "sink_grad_packed", "new_philox"]
 
 
 def dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q=None, seq_len_kv=None, device=None):
@@ -65,6 +65,34 @@ def bad_packed_lengths(cu_q, lens_q, cu_kv, lens_kv, tokens_q: int, tokens_kv: i
     if cu_kv is cu_q:
         return _packed_bad(cu_q, lens_q, min(tokens_q, tokens_kv), min(max_q, max_kv))
     return _packed_bad(cu_q, lens_q, tokens_q, max_q) | _packed_bad(cu_kv, lens_kv, tokens_kv, max_kv)
+
+
+def paged_guard(table: torch.Tensor, seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor, blocks: int,
+                block_size: int, s_q: int):
+    """(safe table, safe seq_len_q, safe seq_len_kv, bad (B, 1, 1, 1)) for a paged KV call.
+
+    A batch row is bad when a length is outside [0, S_q] / [0, M x block_size] or when one of the
+    table entries its keys use (the first ceil(seq_len_kv / block_size)) is outside [0, blocks).
+    Every entry is brought into [0, blocks) (the kernel may read entries past a sequence's keys),
+    and a bad row's lengths become 0 (nothing of it is read or computed; the caller makes its output
+    NaN): a wrong table can never read outside the cache, and is never computed as something else.
+    About a dozen small kernels (decode's eager cost; a CUDA graph replays them for nothing)."""
+    m = table.shape[1]
+    safe_table = table.clamp(0, blocks - 1)
+    used = torch.arange(0, m * block_size, block_size, device=table.device, dtype=seq_len_kv.dtype)
+    bad = ((safe_table != table) & (used < seq_len_kv.view(-1, 1))).any(dim=1)
+    bad |= (seq_len_q.clamp(0, s_q) != seq_len_q) | (seq_len_kv.clamp(0, m * block_size) != seq_len_kv)
+    return safe_table, torch.where(bad, 0, seq_len_q), torch.where(bad, 0, seq_len_kv), bad.view(-1, 1, 1, 1)
+
+
+def paged_dead_rows(s_q: int, window, bottom_right: bool, seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor):
+    """``dead_rows`` for a paged call, with fewer kernels where the window is unbounded (decode's
+    usual call: only rows past seq_len_q and sequences without keys are dead)."""
+    if window == (-1, -1):
+        rows = torch.arange(s_q, device=seq_len_q.device, dtype=seq_len_q.dtype)
+        live = (rows < seq_len_q.view(-1, 1)) & (seq_len_kv.view(-1, 1) > 0)
+        return ~live.view(-1, 1, s_q, 1)
+    return dead_rows(s_q, 0, window, bottom_right, seq_len_q, seq_len_kv, seq_len_q.device)
 
 
 #: Four NaNs of each dtype as one int64 word (quiet NaN bit patterns; all below 2**63).

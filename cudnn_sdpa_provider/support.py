@@ -38,6 +38,7 @@ MIN_CUDNN = 90600
 BLOCKED_CUDNN = frozenset({91000, 91001})
 SINK_MIN = 91300  # sink_token forward and dense backward
 SINK_RAGGED_BWD_MIN = 92600  # ragged (THD) + sink backward
+PAGED_WIDE_MIN = 91000  # paged caches with head dims > 128, and masked paged decode (S_q == 1)
 DETERMINISTIC_SMALL_WS_MIN = 92500  # below this, sm_90 deterministic bwd needs O(B*H*S_q*S_kv) workspace
 DROPOUT_BROKEN = (91100, 91400)  # [first bad, first good): cuDNN SDPA dropout bug
 MAX_HEAD_DIM = 256
@@ -70,9 +71,11 @@ class Problem:
 
     ``recompute`` says the call is a dropout forward that autograd can recompute (activation
     checkpointing); ``paged`` a varlen call with a paged KV cache; ``unsupported`` names arguments
-    given values the provider does not serve."""
+    given values the provider does not serve. Kind "paged" is a dense query over a paged KV cache
+    (``csp.attention(block_table=)``): ``s_kv`` is the table's capacity (blocks x ``block_size``),
+    ``backward`` that its inputs require grad."""
 
-    kind: str  # "dense" or "varlen"
+    kind: str  # "dense", "varlen" or "paged"
     backward: bool
     device_type: str
     dtypes: tuple  # (q, k, v) torch dtypes
@@ -97,6 +100,7 @@ class Problem:
     recompute: bool = False
     paged: bool = False
     unsupported: tuple = ()
+    block_size: int = 0  # kind "paged": tokens per cache block
 
     @property
     def path(self) -> str:
@@ -153,7 +157,18 @@ def _global_version(p: Problem, c: Capabilities) -> str | None:
 
 
 def _paged(p: Problem, c: Capabilities) -> str | None:
-    return "seqused_k / block_table (a paged KV cache)" if p.paged else None
+    return "seqused_k / block_table (a paged KV cache)" if p.paged and p.kind == "varlen" else None
+
+
+def _paged_block_size(p: Problem, c: Capabilities) -> str | None:
+    bs = p.block_size
+    if p.kind == "paged" and (bs <= 0 or bs & (bs - 1)):
+        return f"cache block size {bs} is not a power of 2"
+    return None
+
+
+def _paged_backward(p: Problem, c: Capabilities) -> str | None:
+    return "a paged KV call whose inputs require grad (no paged backward)" if p.kind == "paged" and p.backward else None
 
 
 def _unsupported(p: Problem, c: Capabilities) -> str | None:
@@ -193,6 +208,11 @@ def _feature(p: Problem, c: Capabilities) -> str | None:
     v = c.cudnn_version
     if v is not None and p.sinks and v < SINK_MIN:
         return f"attention sinks need cuDNN >= {version_str(SINK_MIN)} (have {version_str(v)})"
+    if v is not None and p.kind == "paged" and v < PAGED_WIDE_MIN:
+        if max(p.d_qk, p.d_v) > 128:
+            return f"a paged KV cache with head dim > 128 needs cuDNN >= {version_str(PAGED_WIDE_MIN)}"
+        if p.s_q == 1 and p.window[1] >= 0:
+            return f"a masked paged decode (S_q == 1) needs cuDNN >= {version_str(PAGED_WIDE_MIN)}"
     return None
 
 
@@ -266,13 +286,16 @@ RULES: tuple[Rule, ...] = (
     Rule(Slug.CUDNN_UNAVAILABLE.value, "nvidia-cudnn-frontend importable and cuDNN loadable", _unavailable),
     Rule(Slug.COMPUTE_CAPABILITY.value, "GPU sm_80 or newer", _cc),
     Rule(Slug.CUDNN_VERSION.value, f"cuDNN >= {version_str(MIN_CUDNN)}, not 9.10.0/9.10.1", _global_version),
-    Rule(Slug.PAGED_KV.value, "no paged KV cache (varlen seqused_k / block_table)", _paged),
+    Rule(Slug.PAGED_KV.value, "no paged KV cache on varlen_attn (seqused_k / block_table)", _paged),
+    Rule(Slug.PAGED_BACKWARD.value, "a paged KV cache (block_table) without grad", _paged_backward),
     Rule(Slug.UNSUPPORTED_ARGUMENT.value, "no argument the provider does not serve", _unsupported),
     Rule(Slug.EMPTY.value, "no zero-size inputs", _empty),
     Rule(Slug.DTYPE.value, "q, k, v all float16 or all bfloat16", _dtype),
     Rule(Slug.HEAD_DIM.value, "head dims multiples of 8 up to 256 (backward before Hopper: 128)", _head_dim),
     Rule(Slug.GQA_HEADS.value, "H_q divisible by H_k and by H_v", _gqa),
-    Rule(Slug.CUDNN_FEATURE.value, f"attention sinks on cuDNN >= {version_str(SINK_MIN)}", _feature),
+    Rule(Slug.PAGED_BLOCK_SIZE.value, "paged KV cache blocks of a power-of-2 size", _paged_block_size),
+    Rule(Slug.CUDNN_FEATURE.value, f"attention sinks on cuDNN >= {version_str(SINK_MIN)}; paged head dims > 128 "
+                                   f"and masked paged decode on >= {version_str(PAGED_WIDE_MIN)}", _feature),
     Rule(Slug.CUDNN_BUG.value, "no known bug of this cuDNN release for this configuration", _bug),
     Rule(Slug.SINK_BACKWARD_RAGGED.value, "varlen sink backward on cuDNN >= 9.26", _sink_ragged_bwd),
     Rule(Slug.SINK_DECODE.value, "no sinks at S_q == 1", _sink_decode),

@@ -1,4 +1,4 @@
-"""CPU tier: the telemetry counters (public API: four paths, served / fallback[reason])."""
+"""CPU tier: the telemetry counters (public API: five paths, served / fallback[reason])."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ def make_stats(served=None, fallback=None, plans=None) -> counters.Stats:
                           MappingProxyType(plans or {}))
 
 
-def test_paths_are_the_four_public_names():
-    assert PATHS == ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd")
+def test_paths_are_the_five_public_names():
+    assert PATHS == ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "paged_fwd")
     assert csp.PATHS is PATHS
 
 
-def test_to_dict_is_exactly_four_paths_served_and_fallback():
+def test_to_dict_is_exactly_the_paths_served_and_fallback():
     counters.record("dense_fwd")
     counters.record("dense_fwd")
     counters.record("dense_bwd", "no_cuda")
@@ -49,6 +49,7 @@ def test_to_dict_is_exactly_four_paths_served_and_fallback():
         "dense_bwd": {"served": 0, "fallback": {"no_cuda": 1}},
         "varlen_fwd": {"served": 0, "fallback": {"dtype": 2, "head_dim": 1}},
         "varlen_bwd": {"served": 0, "fallback": {}},
+        "paged_fwd": {"served": 0, "fallback": {}},
     }
     assert list(d) == list(PATHS)
     for entry in d.values():
@@ -110,6 +111,7 @@ def test_rows_sort_reasons_by_count_then_name():
         ("dense_bwd", 0, 6, "no_cuda=4, attn_bias=1, dtype=1"),
         ("varlen_fwd", 0, 0, "-"),
         ("varlen_bwd", 0, 0, "-"),
+        ("paged_fwd", 0, 0, "-"),
     ]
 
 
@@ -120,7 +122,8 @@ def test_format_table_exact_text():
         "dense_fwd       12         0  -\n"
         "dense_bwd        0         3  no_cuda=3\n"
         "varlen_fwd       0         0  -\n"
-        "varlen_bwd       0         0  -"
+        "varlen_bwd       0         0  -\n"
+        "paged_fwd        0         0  -"
     )
 
 
@@ -144,7 +147,7 @@ def test_record_is_thread_safe():
     def work(i):
         barrier.wait()
         for n in range(500):
-            counters.record(PATHS[(i + n) % 4], reasons[n % 4])
+            counters.record(PATHS[(i + n) % 4], reasons[n % 4])  # the first four paths
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
     for t in threads:
@@ -154,7 +157,7 @@ def test_record_is_thread_safe():
     d = csp.stats().to_dict()
     assert sum(d[p]["served"] + sum(d[p]["fallback"].values()) for p in PATHS) == 8 * 500
     # Each path gets each (n % 4) class the same number of times: 8 threads * 500 / 16.
-    for p in PATHS:
+    for p in PATHS[:4]:
         assert d[p]["served"] == 250
         assert d[p]["fallback"] == {"no_cuda": 250, "dtype": 250, "head_dim": 250}
 

@@ -53,7 +53,14 @@ CASES = {
                           "max |out - per-sequence F.sdpa|", "varlen_fwd"],
     "sinks.py": ["out (2, 8, 256, 64)", "sinks.grad: [", "dense_bwd"],
     "hf_model.py": ["llama, lengths [64, 40, 17]", "attention calls: 4,", "dense_bwd"],
+    "paged_decode.py": ["prompts [37, 5, 60] in chunks of 32, then 4 decode steps; lengths [41, 9, 64]",
+                        "max |out - F.sdpa on each sequence's keys|", "paged_fwd"],
 }
+
+
+def paged_error(stdout: str) -> float:
+    """The relative error examples/paged_decode.py prints against F.sdpa on each sequence."""
+    return float(stdout.split("/ max|ref| = ")[1].split()[0])
 
 
 def _report_rows(stdout: str) -> list[tuple[str, int, int]]:
@@ -73,6 +80,8 @@ def test_example_runs(name, tmp_path):
         assert line in result.stdout, f"{line!r} not in the output of {name}:\n{result.stdout}"
     if _no_cuda():
         assert "no_cuda=" in result.stdout, result.stdout  # fallbacks are reported, not hidden
+        if name == "paged_decode.py":  # fp32 on CPU
+            assert paged_error(result.stdout) < 1e-5, result.stdout
     assert _report_rows(result.stdout), f"no telemetry table in the output of {name}:\n{result.stdout}"
 
 

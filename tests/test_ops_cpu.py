@@ -292,7 +292,8 @@ def test_cpu_kernels_count_no_cuda():
     OPS.dense_fwd(*dense_args)[0].backward(dense_go)
     OPS.varlen_fwd(*varlen_args)[0].backward(varlen_go)
     assert (counters.stats() - before).to_dict() == {
-        p: {"served": 0, "fallback": {"no_cuda": 1}} for p in ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd")
+        **{p: {"served": 0, "fallback": {"no_cuda": 1}} for p in ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd")},
+        "paged_fwd": {"served": 0, "fallback": {}},
     }
 
 

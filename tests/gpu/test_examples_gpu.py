@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tests.test_examples import CASES, EXAMPLES, _check_unmodified_report, _report_rows, _run, _run_with_startup_hook
+from tests.test_examples import (CASES, EXAMPLES, _check_unmodified_report, _report_rows, _run, _run_with_startup_hook,
+                                 paged_error)
 
 
 @pytest.mark.gpu
@@ -23,6 +24,8 @@ def test_example_served_on_gpu(name, tmp_path):
     if name == "hf_model.py":  # the served loss agrees with transformers' own sdpa (bf16)
         diff = float(result.stdout.split("|diff| ")[1].split()[0])
         assert diff < 2e-2, result.stdout
+    if name == "paged_decode.py":  # bf16 on the GPU
+        assert paged_error(result.stdout) < 2e-2, result.stdout
 
 
 @pytest.mark.gpu
