@@ -36,13 +36,15 @@ def validate_mode(value) -> bool | None:
     return value
 
 
-def common(q, k, v, sinks, dims: int) -> None:
-    """q, k, v (and sinks): tensors of the layout's rank on one device, one floating dtype, GQA heads."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def common(q, k, v, sinks, dims: int, kv_dims: int | None = None) -> None:
+    """q, k, v (and sinks): tensors of the layout's rank (``kv_dims`` for k and v when it differs:
+    paged caches) on one device, one floating dtype, GQA heads (dim 1 in every layout)."""
+    names = {4: "(B, H, S, D)", 3: "(T, H, D)"}
+    for name, t, rank in (("q", q, dims), ("k", k, kv_dims or dims), ("v", v, kv_dims or dims)):
         require_tensor(name, t)
-        if t.dim() != dims:
-            layout_name = "(B, H, S, D)" if dims == 4 else "(T, H, D)"
-            raise ValueError(f"{name} must be {dims}-D {layout_name} here, got shape {tuple(t.shape)}")
+        if t.dim() != rank:
+            layout_name = names[rank] if name == "q" or kv_dims is None else "(N, H, block_size, D) (a paged cache)"
+            raise ValueError(f"{name} must be {rank}-D {layout_name} here, got shape {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share a device")
     if k.dtype != q.dtype or v.dtype != q.dtype:

@@ -45,11 +45,12 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
             block_size, D) with any strides (a vLLM/FlashAttention cache (N, block_size, H, D) is
             its ``.transpose(1, 2)``), row b of the table lists sequence b's blocks in order, and
             ``seq_lens_kv`` (required) holds each sequence's cached tokens (at most M x block_size);
-            q is dense (B, H_q, S_q, D) with ``seq_lens_q`` (default S_q). Decode is S_q = 1; for
+            q is dense (B, H_q, S_q, D) with ``seq_lens_q`` (default S_q), or packed (T, H_q, D) with
+            ``cu_seqlens_q`` and ``max_seqlen_q`` (varlen_attn's form). Decode is S_q = 1; for
             chunked prefill, whose queries are each sequence's last tokens, pass ``is_causal=True,
             bottom_right=True``. Forward only: with inputs that require grad it runs a gather and
             the composite (counted as a fallback, ``paged_backward``; under torch.compile a graph
-            break, so ``fullgraph=True`` refuses it). No dropout, no packed q.
+            break, so ``fullgraph=True`` refuses it). No dropout.
         validate: check the values of lengths, prefix sums and block tables (ValueError naming the argument).
             None (default): where it is free, i.e. on CPU tensors; True: also on the GPU, at the
             cost of one host-device sync per call; False: never. Values are read only in eager code
@@ -65,7 +66,7 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         (1, 2, 8, 16)
     """
     varlen = cu_seqlens_q is not None
-    arguments.common(q, k, v, sinks, 3 if varlen and block_table is None else 4)
+    arguments.common(q, k, v, sinks, 3 if varlen else 4, 4 if block_table is not None else None)
     window = support.canonical_window(is_causal, window)
     arguments.flag("bottom_right", bottom_right)
     arguments.flag("return_lse", return_lse)
@@ -77,13 +78,19 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
     # Compiled code cannot read the scope while tracing; its kernels read it when they run.
     fallback = torch.compiler.is_compiling() or not scope.strict()
     if block_table is not None:
-        if varlen or cu_seqlens_kv is not None or max_seqlen_q is not None or max_seqlen_kv is not None:
-            raise ValueError("block_table takes a dense q (B, H, S_q, D) with seq_lens_q / seq_lens_kv; cu_seqlens "
-                             "and max_seqlen (packed queries) are not served with a paged cache")
+        if cu_seqlens_kv is not None or max_seqlen_kv is not None:
+            raise ValueError("cu_seqlens_kv / max_seqlen_kv are not used with block_table: the keys are the cache's, "
+                             "seq_lens_kv (B,) says how many each sequence has")
         if dropout_p:
             raise ValueError("dropout_p is not supported with block_table (a paged KV cache is for inference)")
-        out, lse = _paged(q, k, v, block_table, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv,
-                          return_lse, fallback, check_values)
+        if varlen:
+            out, lse = _paged_packed(q, k, v, block_table, cu_seqlens_q, max_seqlen_q, scale, window, bottom_right,
+                                     sinks32, seq_lens_q, seq_lens_kv, return_lse, fallback, check_values)
+        elif max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q is for packed queries; pass cu_seqlens_q too, or seq_lens_q for a dense q")
+        else:
+            out, lse = _paged(q, k, v, block_table, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv,
+                              return_lse, fallback, check_values)
         return (out, lse) if return_lse else out
     if varlen:
         if dropout_p:
@@ -160,6 +167,22 @@ def _paged(q, k_cache, v_cache, table, scale, window, bottom_right, sinks32, seq
     fwd = paged_ops.run_eager[q.device.type] if eager else torch.ops.cudnn_sdpa.paged_fwd
     return fwd(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window[0], window[1],
                bottom_right, return_lse, fallback)
+
+
+def _paged_packed(q, k_cache, v_cache, table, cu_q, max_q, scale, window, bottom_right, sinks32, seq_lens_q,
+                  seq_lens_kv, return_lse, fallback, check_values):
+    """Packed (T, H, D) queries over a paged cache: placed in a padded (B, H, max_seqlen_q, D) batch,
+    attended as a dense q, and gathered back (copies of q and out only; the cache is read in place)."""
+    if seq_lens_q is not None:
+        raise ValueError("seq_lens_q is for a dense q; packed queries take their lengths from cu_seqlens_q")
+    cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_q, q.device)
+    max_q = arguments.max_seqlen("max_seqlen_q", max_q)
+    if check_values:
+        arguments.check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q)
+    q_padded, lens_q, index, bad = paged_ops.pack_query(q, cu_q, max_q)
+    out, lse = _paged(q_padded, k_cache, v_cache, table, scale, window, bottom_right, sinks32, lens_q, seq_lens_kv,
+                      return_lse, fallback, check_values)
+    return paged_ops.unpack(out, lse if return_lse else None, index, bad, q)
 
 
 @torch.compiler.disable  # eager even inside compiled code (a graph break), so that each call is counted

@@ -1,8 +1,9 @@
 """Kernels the provider registers over PyTorch's attention ops while it is enabled.
 
-Served (our cuDNN graphs, ``dense`` / ``packed``), through ``route``:
+Served (our cuDNN graphs, ``dense`` / ``packed`` / ``paged``), through ``route``:
   aten::_scaled_dot_product_cudnn_attention (+ _backward)   CUDA   -> dense_fwd / dense_bwd
   torch_attn::_varlen_attn (+ _backward, _varlen_attn_out)   CUDA   -> varlen_fwd / varlen_bwd
+                                                             (the kernels: ``varlen_hooks``)
 Each falls back to the kernel it replaced (fetched with ``torch.library.get_kernel`` before the
 override is registered), so a fallback is PyTorch's own C++ path, bit-exact with native; the cuDNN
 op's fallback gets copies of operands whose base or rows are not 16-byte aligned (``layout.for_native``).
@@ -24,22 +25,13 @@ import warnings
 
 import torch
 
-from . import arguments, dense, layout, markers, packed, route, rows, scope, support
+from . import arguments, dense, layout, markers, route, rows, scope, support
 from .binding import tensor_key
 from .route import describe_call
+from .varlen_hooks import VARLEN_ARGUMENTS, Varlen as _Varlen, bind as _bind, scale_of as _scale
+from .varlen_hooks import unknown_arguments as _unknown_arguments, varlen_ops as _varlen_ops  # noqa: F401
 
 __all__ = ["Hooks", "VARLEN_ARGUMENTS"]
-
-
-def _bind(op, args, kwargs) -> dict:
-    names = [a.name for a in op._schema.arguments]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def _scale(scale, q) -> float:
-    return float(scale) if scale is not None else q.shape[-1] ** -0.5
 
 
 #: is_causal -> the FlashAttention window, as ``support.canonical_window`` folds it (computed once).
@@ -233,127 +225,6 @@ class _CountedMath(_Counted):
                 strict=False))
 
 
-# -------------------------------------------------------------------------------------- varlen
-
-#: What the provider does with each argument of torch_attn::_varlen_attn (2.11 - 2.14 schemas):
-#: "serve" (read and honoured), "paged" (falls back with paged_kv when given), "hint" (a
-#: performance hint for FlashAttention's kernel with no effect on the result; cuDNN plans for
-#: itself). Any other argument a newer torch adds falls back with ``unsupported_argument`` unless
-#: it has its schema default.
-VARLEN_ARGUMENTS = {
-    "query": "serve", "key": "serve", "value": "serve", "cu_seq_q": "serve", "cu_seq_k": "serve", "max_q": "serve",
-    "max_k": "serve", "is_causal": "serve", "scale": "serve", "window_size": "serve", "enable_gqa": "serve",
-    "seqused_k": "paged", "block_table": "paged", "num_splits": "hint", "out": "serve",
-    # backward-only
-    "grad_out": "serve", "lse": "serve", "rng_state": "serve",
-}
-
-
-def _unknown_arguments(op, a) -> tuple:
-    """Names of arguments this provider does not know, passed with a value other than their default."""
-    found = []
-    for arg in op._schema.arguments:
-        if arg.name in VARLEN_ARGUMENTS or arg.name not in a:
-            continue
-        if not arg.has_default_value() or a[arg.name] != arg.default_value:
-            found.append(arg.name)
-    return tuple(found)
-
-
-class _Varlen:
-    """torch_attn varlen ops (schemas differ across torch 2.11-2.15, so arguments are bound by name)."""
-
-    def __init__(self, fwd_op, fwd_original, bwd_op, bwd_original, out_op=None, out_original=None):
-        self.fwd_op, self.fwd_original = fwd_op, fwd_original
-        self.bwd_op, self.bwd_original = bwd_op, bwd_original
-        self.out_op, self.out_original = out_op, out_original
-
-    @staticmethod
-    def _options(a) -> tuple[tuple[int, int], float | None]:
-        left, right = list(a.get("window_size") or [-1, -1])
-        if a.get("is_causal"):
-            right = 0
-        return (int(left), int(right)), a.get("scale")
-
-    def _entry(self, op, a, backward: bool) -> route.Entry:
-        q, k, v = a["query"], a["key"], a["value"]
-        cu_q = a["cu_seq_q"]
-        window, scale = self._options(a)
-        paged = a.get("seqused_k") is not None or a.get("block_table") is not None
-        unknown = _unknown_arguments(op, a)
-        deterministic = backward and torch.are_deterministic_algorithms_enabled()
-        signature = (op._schema.name, q.device.index, route.varlen_key(q, k, v), cu_q.shape, a["max_q"], a["max_k"],
-                     window, paged, unknown, deterministic)
-        return route.entry(signature, lambda: route.varlen_problem(
-            q, k, v, cu_q, a["max_q"], a["max_k"], backward=backward, window=window, bottom_right=True,
-            deterministic=deterministic, paged=paged, unsupported=unknown), q.device.index)
-
-    def _serve_fwd(self, a):
-        q, k, v = a["query"], a["key"], a["value"]
-        cu_q = a["cu_seq_q"]
-        cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
-        window, scale = self._options(a)
-        # FlashAttention aligns causal masks and windows to the bottom right of each sequence.
-        out, lse = packed.forward(q, k, v, cu_q, cu_k, a["max_q"], a["max_k"], scale=_scale(scale, q),
-                                  window=window, bottom_right=True)
-        return out, lse.t().contiguous()  # torch_attn's convention is (H, T)
-
-    def forward(self, keyset, *args, **kwargs):
-        a = _bind(self.fwd_op, args, kwargs)
-        strict = scope.strict()
-
-        def serve():
-            out, lse = self._serve_fwd(a)
-            rng_state = torch.zeros(2, dtype=torch.uint64, device=out.device)
-            markers.mark(rng_state, markers.Record(served=True, strict=strict))
-            return out, lse, rng_state
-
-        def native(reason):
-            result = self.fwd_original.call_boxed(keyset, *args, **kwargs)
-            markers.mark(result[2], markers.Record(served=False, reason=reason.slug))
-            return result
-
-        return route.call("varlen_fwd", self._entry(self.fwd_op, a, False), serve, native,
-                          lambda: describe_call(query=a["query"], key=a["key"], value=a["value"]), strict=strict)
-
-    def forward_out(self, keyset, *args, **kwargs):
-        a = _bind(self.out_op, args, kwargs)
-
-        def serve():
-            out, lse = self._serve_fwd(a)
-            a["out"].copy_(out)
-            return lse
-
-        return route.call("varlen_fwd", self._entry(self.out_op, a, False), serve,
-                          lambda reason: self.out_original.call_boxed(keyset, *args, **kwargs),
-                          lambda: describe_call(query=a["query"], out=a["out"]))
-
-    def backward(self, keyset, *args, **kwargs):
-        a = _bind(self.bwd_op, args, kwargs)
-        native = lambda reason=None: self.bwd_original.call_boxed(keyset, *args, **kwargs)  # noqa: E731
-        record = markers.lookup(a["rng_state"])
-        if record is None:
-            return native()
-        q, k, v = a["query"], a["key"], a["value"]
-        describe = lambda: describe_call(query=q, key=k, value=v, grad_out=a["grad_out"])  # noqa: E731
-        if not record.served:
-            return route.call("varlen_bwd", route.fixed(record.reason, "its forward fell back"), None, native,
-                              describe, strict=False)
-
-        def serve():
-            cu_q = a["cu_seq_q"]
-            cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
-            window, scale = self._options(a)
-            dq, dk, dv, _ = packed.backward(a["grad_out"], q, k, v, a["out"], a["lse"].t(), cu_q, cu_k, a["max_q"],
-                                            a["max_k"], scale=_scale(scale, q), window=window, bottom_right=True,
-                                            deterministic=torch.are_deterministic_algorithms_enabled())
-            return dq, dk, dv
-
-        # Our forward's lse is flash's (H, T) natural-log LSE, so flash's backward can use it.
-        return route.call("varlen_bwd", self._entry(self.bwd_op, a, True), serve, native, describe,
-                          strict=record.strict)
-
-
 # ------------------------------------------------------------------------------- registrations
 
 _DENSE_COUNTED = (
@@ -370,17 +241,6 @@ _MATH = "_scaled_dot_product_attention_math"
 
 def _op(namespace: str, name: str):
     return getattr(getattr(torch.ops, namespace), name).default
-
-
-def _varlen_ops():
-    """The torch_attn varlen ops of this torch (2.10+), importing their module first."""
-    try:
-        import torch.nn.attention.varlen  # noqa: F401  (defines torch_attn::*)
-    except Exception:
-        return None
-    ns = torch.ops.torch_attn
-    names = ("_varlen_attn", "_varlen_attn_backward", "_varlen_attn_out")
-    return {n: (getattr(ns, n).default if hasattr(ns, n) else None) for n in names}
 
 
 _ORIGINALS: dict = {}

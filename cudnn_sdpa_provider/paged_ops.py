@@ -15,15 +15,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import composite, layout, paged, route, scope, support
+from . import composite, layout, paged, route, rows, scope, support
 from .binding import tensor_key
 
-__all__ = ["paged_fwd", "entry", "problem", "run_eager"]
+__all__ = ["paged_fwd", "entry", "problem", "run_eager", "pack_query", "unpack"]
 
 
-def problem(q, k_cache, v_cache, table, sinks, window, bottom_right, grad: bool):
+def problem(q, k_cache, v_cache, table, sinks, window, bottom_right, grad: bool, unsupported: tuple = ()):
     """The call as ``support`` sees it: S_kv is the table's capacity, backward that it needs grad."""
-    return support.Problem(
+    return support.Problem(unsupported=tuple(unsupported),
         kind="paged", backward=grad, device_type=q.device.type, dtypes=(q.dtype, k_cache.dtype, v_cache.dtype),
         batch=q.shape[0], h_q=q.shape[1], h_k=k_cache.shape[1], h_v=v_cache.shape[1], s_q=q.shape[2],
         s_kv=table.shape[1] * k_cache.shape[2], d_qk=q.shape[3], d_v=v_cache.shape[3], window=tuple(window),
@@ -94,3 +94,30 @@ def _paged_fwd_fake(q, k_cache, v_cache, block_table, seq_len_q, seq_len_kv, sin
 
 #: The op's kernels by device type, for eager calls on plain tensors (no dispatcher round trip).
 run_eager = {"cuda": _paged_fwd_cuda, "cpu": _paged_fwd_cpu}
+
+
+def pack_query(q: Tensor, cu_q: Tensor, max_q: int):
+    """Packed (T, H, D) queries as a padded (B, H, max_q, D) batch (a view of (B, max_q, H, D)
+    storage, padding 0): (padded q, seq_lens_q (B,) int32, the token index, bad). Bad prefix sums
+    (``rows.token_rows``) give lengths 0, and ``unpack`` makes every output NaN. Differentiable."""
+    t, h, d = q.shape
+    batch = cu_q.shape[0] - 1
+    row, pos, lengths, bad = rows.token_rows(cu_q, t, max_q)
+    padded = q.new_zeros((batch + 1, max_q, h, d)).index_put((row, pos), q)
+    return padded[:batch].transpose(1, 2), lengths, (row, pos), bad
+
+
+def unpack(out: Tensor, lse: Optional[Tensor], index, bad: Tensor, q: Tensor):
+    """The padded (B, H, S, D_v) output and (B, H, S, 1) LSE back as packed (T, H, D_v) (in
+    ``layout.packed_out``'s strides, FlashAttention's) and (T, H): 0 past cu_seqlens_q[-1], NaN
+    everywhere when the prefix sums were bad."""
+    row, pos = index
+
+    def gather(x):  # (B, S, ...) -> (T, ...), the spare row B reading 0
+        return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])[row, pos].masked_fill(bad, float("nan"))
+
+    packed = gather(out.transpose(1, 2))
+    target = layout.packed_out(q, tuple(packed.shape))
+    if target.stride() != packed.stride():
+        packed = target.copy_(packed)
+    return packed, (gather(lse.squeeze(-1).transpose(1, 2)) if lse is not None else None)

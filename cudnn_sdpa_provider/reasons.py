@@ -168,8 +168,10 @@ CATALOG: dict[str, tuple[str, str]] = {
         "Nothing to do; the layer runs its own eager attention (counted as this fallback).",
     ),
     Slug.PAGED_KV.value: (
-        "A varlen_attn call with seqused_k / block_table (a paged KV cache) is not served.",
-        "Nothing to do; it runs on PyTorch's kernel.",
+        "A varlen_attn call with seqused_k or block_table but not both is not served (a paged KV cache, "
+        "block_table with seqused_k, is served on cuDNN's paged graph since the paged path came in; before, "
+        "this slug counted those calls too).",
+        "Nothing to do; it runs on PyTorch's kernel (seqused_k alone: per-sequence key counts on packed keys).",
     ),
     Slug.PAGED_BLOCK_SIZE.value: (
         "A paged KV cache (csp.attention with block_table) whose block size is not a power of 2; cuDNN's paged "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths", "paged_guard", "paged_dead_rows", "fill_words", "fill",
+__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths", "paged_guard", "paged_dead_rows", "token_rows", "fill_words", "fill",
            "padded_lse", "sink_grad_dense", "sink_grad_packed", "new_philox"]
 
 
@@ -93,6 +93,24 @@ def paged_dead_rows(s_q: int, window, bottom_right: bool, seq_len_q: torch.Tenso
         live = (rows < seq_len_q.view(-1, 1)) & (seq_len_kv.view(-1, 1) > 0)
         return ~live.view(-1, 1, s_q, 1)
     return dead_rows(s_q, 0, window, bottom_right, seq_len_q, seq_len_kv, seq_len_q.device)
+
+
+def token_rows(cu: torch.Tensor, total: int, s_max: int):
+    """(row, pos, lengths, bad) placing packed tokens in a padded (B + 1, S_max) batch: token t of
+    sequence b goes to (b, t - cu[b]); tokens past cu[-1], and every token when ``bad`` (0-dim:
+    cu not starting at 0, decreasing, past ``total`` tokens, or a sequence longer than ``s_max``),
+    go to the spare row B, position 0. Every index is in range whatever ``cu`` holds (no device
+    assert can fire); ``lengths`` (B,) int32 are 0 when bad."""
+    batch = cu.shape[0] - 1
+    cu64 = cu.long()
+    lengths = cu64.diff()
+    bad = (cu64[0] != 0) | (cu64[-1] > total) | (lengths.amin() < 0) | (lengths.amax() > s_max)
+    tok = torch.arange(total, device=cu.device)
+    row = torch.searchsorted(cu64[1:], tok, right=True)
+    pos = tok - cu64[row.clamp(max=batch - 1)]
+    valid = (row < batch) & ~bad & (pos >= 0) & (pos < s_max)
+    return (torch.where(valid, row, batch), torch.where(valid, pos, 0), torch.where(bad, 0, lengths).to(torch.int32),
+            bad)
 
 
 #: Four NaNs of each dtype as one int64 word (quiet NaN bit patterns; all below 2**63).

@@ -70,7 +70,7 @@ class Problem:
     """One attention call, reduced to what decides support. Build it with ``dataclasses.replace``.
 
     ``recompute`` says the call is a dropout forward that autograd can recompute (activation
-    checkpointing); ``paged`` a varlen call with a paged KV cache; ``unsupported`` names arguments
+    checkpointing); ``paged`` a varlen call with seqused_k or block_table alone; ``unsupported`` names arguments
     given values the provider does not serve. Kind "paged" is a dense query over a paged KV cache
     (``csp.attention(block_table=)``): ``s_kv`` is the table's capacity (blocks x ``block_size``),
     ``backward`` that its inputs require grad."""
@@ -157,7 +157,7 @@ def _global_version(p: Problem, c: Capabilities) -> str | None:
 
 
 def _paged(p: Problem, c: Capabilities) -> str | None:
-    return "seqused_k / block_table (a paged KV cache)" if p.paged and p.kind == "varlen" else None
+    return "seqused_k or block_table without the other" if p.paged and p.kind == "varlen" else None
 
 
 def _paged_block_size(p: Problem, c: Capabilities) -> str | None:
@@ -286,7 +286,7 @@ RULES: tuple[Rule, ...] = (
     Rule(Slug.CUDNN_UNAVAILABLE.value, "nvidia-cudnn-frontend importable and cuDNN loadable", _unavailable),
     Rule(Slug.COMPUTE_CAPABILITY.value, "GPU sm_80 or newer", _cc),
     Rule(Slug.CUDNN_VERSION.value, f"cuDNN >= {version_str(MIN_CUDNN)}, not 9.10.0/9.10.1", _global_version),
-    Rule(Slug.PAGED_KV.value, "no paged KV cache on varlen_attn (seqused_k / block_table)", _paged),
+    Rule(Slug.PAGED_KV.value, "varlen_attn's seqused_k and block_table both or neither", _paged),
     Rule(Slug.PAGED_BACKWARD.value, "a paged KV cache (block_table) without grad", _paged_backward),
     Rule(Slug.UNSUPPORTED_ARGUMENT.value, "no argument the provider does not serve", _unsupported),
     Rule(Slug.EMPTY.value, "no zero-size inputs", _empty),

@@ -9,7 +9,8 @@ without copying. ``csp.attention`` reads the cache through the table: pass the p
 cached length. Prefill chunks are the last tokens of their sequences, hence ``is_causal=True,
 bottom_right=True``; a decode step is S_q = 1. On CUDA (cuDNN >= 9.6) this runs on cuDNN's paged
 attention graph; on CPU it falls back (reason ``no_cuda``) to a gather and the aten composite, and
-the report says so. Each sequence's output is checked against F.sdpa on its keys gathered dense.
+the report says so. Each sequence's output is checked against F.sdpa (in fp64) on its keys gathered
+dense.
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def main() -> None:
 
     worst = 0.0
     for b in range(batch):
-        got = torch.cat(outputs[b], dim=1).float()  # (H, tokens, D)
-        k = keys[b].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0).float()
-        v = values[b].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0).float()
-        want = F.scaled_dot_product_attention(queries[b].transpose(0, 1).float(), k, v, is_causal=True)
+        got = torch.cat(outputs[b], dim=1).double()  # (H, tokens, D)
+        k = keys[b].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0).double()
+        v = values[b].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0).double()
+        want = F.scaled_dot_product_attention(queries[b].transpose(0, 1).double(), k, v, is_causal=True)  # fp64
         worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
     print(f"paged cache: {cache.k.shape[0]} blocks of {BLOCK} tokens on {device}; prompts {PROMPTS} in chunks of "
           f"{CHUNK}, then {DECODE_STEPS} decode steps; lengths {cache.lengths.tolist()}")

@@ -82,11 +82,34 @@ class FakeGraph:
         if k.ragged:
             return self._forward_ragged(b, lq, lk, sinks)
         q, kk, v = (self._dense(b[u], d).double() for u, d in ((UID.Q, k.q), (UID.K, k.k), (UID.V, k.v)))
+        if getattr(k, "pages", None) is not None:
+            kk, v = self._pages(b, kk, v, lk)
         out, lse = reference.dense(q, kk, v, scale=k.scale, window=k.window, bottom_right=k.bottom_right, sinks=sinks,
                                    bias=bias, seq_len_q=lq, seq_len_kv=lk, compute_dtype=torch.float64)
         self._dense(b[UID.O], k.o).copy_(out)
         if k.lse is not None:
             self._dense(b[UID.LSE], k.lse).copy_(lse)
+
+    def _pages(self, b, k_cache, v_cache, lk):
+        """Dense (B, H, M x block, D) K/V gathered through the table as cuDNN reads it: only the blocks
+        each sequence's keys use, every one of them inside the cache (else the fake fails the call)."""
+        desc, capacity = self.key.pages
+        assert b[UID.PAGE_K] is b[UID.PAGE_V], "one table for K and V"
+        table = self._dense(b[UID.PAGE_K], desc).reshape(desc.dims[0], desc.dims[2])
+        block = k_cache.shape[2]
+        assert table.shape[1] * block == capacity, "max_seq_len_kv is the table's capacity"
+        rows = []
+        for entries, n in zip(table.tolist(), lk.tolist()):
+            used = entries[: -(-n // block)]
+            assert all(0 <= e < k_cache.shape[0] for e in used), f"a used table entry outside the cache: {used}"
+            rows.append([e if 0 <= e < k_cache.shape[0] else 0 for e in entries])  # unused entries: never read
+        idx = torch.tensor(rows, dtype=torch.long)
+
+        def gather(cache):
+            n_b, m = idx.shape
+            return cache[idx].permute(0, 2, 1, 3, 4).reshape(n_b, cache.shape[1], m * block, cache.shape[3])
+
+        return gather(k_cache), gather(v_cache)
 
     def _forward_ragged(self, b, lq, lk, sinks):
         k = self.key

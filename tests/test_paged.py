@@ -217,11 +217,13 @@ BAD = {
                          r"seq_lens_q must have shape \(2,\)"),
     "seq_lens_q_2d": (dict(seq_lens_q=torch.tensor([[2, 1]], dtype=torch.int32)), {}, ValueError,
                       r"seq_lens_q must have shape \(2,\)"),
-    "cu_seqlens_q": (dict(cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32), max_seqlen_q=2,
-                          max_seqlen_kv=12), {}, ValueError, r"block_table takes a dense q .*cu_seqlens"),
+    "cu_seqlens_q_with_a_dense_q": (dict(cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32), max_seqlen_q=2),
+                                    {}, ValueError, r"q must be 3-D \(T, H, D\)"),
     "cu_seqlens_kv": (dict(cu_seqlens_kv=torch.tensor([0, 5, 17], dtype=torch.int32)), {}, ValueError,
-                      r"block_table takes a dense q .*cu_seqlens"),
-    "max_seqlen": (dict(max_seqlen_kv=12), {}, ValueError, r"block_table takes a dense q .*max_seqlen"),
+                      r"cu_seqlens_kv / max_seqlen_kv are not used with block_table"),
+    "max_seqlen_kv": (dict(max_seqlen_kv=12), {}, ValueError,
+                      r"cu_seqlens_kv / max_seqlen_kv are not used with block_table"),
+    "max_seqlen_q_with_a_dense_q": (dict(max_seqlen_q=2), {}, ValueError, r"max_seqlen_q is for packed queries"),
     "dropout": (dict(dropout_p=0.1), {}, ValueError, r"dropout_p is not supported with block_table"),
     "kv_block_counts_differ": ({}, dict(v=lambda v: v[:-1]), ValueError,
                                r"k and v caches must have the same blocks.*\(9, 2, 4, 16\) and \(8, 2, 4, 16\)"),
@@ -708,3 +710,211 @@ def test_paged_slugs_are_cataloged():
     assert "paged_fwd" in PATHS
     for slug in ("paged_block_size", "paged_backward"):
         assert Slug(slug).value == slug and slug in CATALOG
+
+
+# -------------------------------------------------- the served path on the stand-in cuDNN (CPU)
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """CPU float32 tensors decided as if on a CUDA machine (the no_cuda and dtype rules left out),
+    executed by tests/fake_cudnn.py's graph, which reads the caches through the table as declared
+    and fails the call if a used entry is outside the cache."""
+    from cudnn_sdpa_provider import graphs, route
+    from tests import fake_cudnn
+
+    built = fake_cudnn.install(monkeypatch)
+    monkeypatch.setattr(support, "RULES", tuple(r for r in support.RULES if r.slug not in ("no_cuda", "dtype")))
+    route.clear()
+    yield built
+    route.clear()
+    graphs.clear_cache()
+
+
+def served(case, *, window=(-1, -1), bottom_right=False, sinks=None, table=None, lens_kv=None):
+    q, k_cache, v_cache, t, lens_q, lk = case
+    before = counters.stats()
+    out, lse = paged_ops._paged_fwd_cuda(q, k_cache, v_cache, t if table is None else table, lens_q,
+                                         lk if lens_kv is None else lens_kv, sinks, q.shape[-1] ** -0.5, window[0],
+                                         window[1], bottom_right, True, True)
+    return out, (counters.stats() - before).to_dict()["paged_fwd"]
+
+
+SERVED_CASES = {
+    "decode_gqa": (dict(b=3, h_q=4, h_k=2, s_q=1, block_size=4, max_blocks=5), {}),
+    "prefill_causal_br_ragged": (dict(b=3, h_q=4, h_k=2, s_q=6, block_size=4, max_blocks=5, lens_q=[6, 2, 0],
+                                      lens_kv=[17, 2, 5]), dict(window=(-1, 0), bottom_right=True)),
+    "fa_layout_window": (dict(b=2, h_q=4, h_k=1, s_q=4, block_size=2, max_blocks=8, fa_layout=True),
+                         dict(window=(3, 0), bottom_right=True)),
+    "sinks": (dict(b=2, h_q=4, h_k=2, s_q=3, block_size=8, max_blocks=2), dict(sinks=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVED_CASES))
+def test_served_path_reads_the_cache_through_the_table(cuda_like, name):
+    shape, kw = SERVED_CASES[name]
+    case = make_paged(**shape, d=16, dtype=torch.float32, gen=gen(40))
+    kw = dict(kw)
+    sinks = torch.randn(case[0].shape[1], generator=gen(41)) if kw.pop("sinks", False) else None
+    out, count = served(case, sinks=sinks, **kw)
+    assert count == {"served": 1, "fallback": {}}, count
+    want = reference(case, sinks=sinks, **kw)
+    assert_rel_close(out.double(), want, 1e-5, f"{name}: the served path on the stand-in graph")
+    assert out.stride() == layout.dense_out(case[0], tuple(out.shape)).stride()
+
+
+def test_served_guard_replaces_bad_entries_before_the_graph_reads_them(cuda_like):
+    case = make_paged(3, 4, 2, 1, 16, 4, 5, dtype=torch.float32, gen=gen(42), lens_kv=[17, 9, 20])
+    q, k_cache, v_cache, table, lens_q, lens_kv = case
+    bad = table.clone()
+    bad[0, 2] = 10**6  # used by row 0 (17 keys use 5 blocks)
+    bad[1, 4] = -3  # unused by row 1 (9 keys use 3 blocks)
+    lens = lens_kv.clone()
+    lens[2] = 21  # past the table's capacity (5 x 4)
+    out, count = served(case, table=bad, lens_kv=lens)
+    assert count == {"served": 1, "fallback": {}}, count
+    assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all(), "rows with a bad entry or length are NaN"
+    assert_rel_close(out[1].double(), reference(case)[1], 1e-5, "the good row (its unused bad entry never read)")
+
+
+def test_served_path_reads_strided_tables_and_lengths(cuda_like):
+    case = make_paged(3, 4, 2, 1, 16, 4, 5, dtype=torch.float32, gen=gen(43))
+    q, k_cache, v_cache, table, lens_q, lens_kv = case
+    column_major = table.t().contiguous().t()
+    pairs = torch.stack([lens_kv, lens_kv], dim=1)
+    out, _ = served(case, table=column_major, lens_kv=pairs[:, 0])
+    assert_rel_close(out.double(), reference(case), 1e-5, "strided table and lengths")
+
+
+def test_block_size_not_a_power_of_two_is_decided_before_any_graph(cuda_like):
+    case = make_paged(2, 4, 2, 1, 16, 6, 3, dtype=torch.float32, gen=gen(44))
+    out, count = served(case)
+    assert count == {"served": 0, "fallback": {"paged_block_size": 1}}, count
+    assert not cuda_like, "no graph was built"
+    assert_rel_close(out.double(), reference(case), 1e-5, "the composite")
+
+
+# ------------------------------------------------- packed queries (varlen_attn's form) over a cache
+
+
+def packed_case(lens_q=(5, 0, 3, 1), lens_kv=(9, 4, 20, 1), seed=50, fa_layout=True):
+    """(packed q (T, H, D), the same queries as a padded case for the reference, cu_seqlens_q)."""
+    case = make_paged(len(lens_q), 4, 2, max(lens_q), 16, 4, 5, dtype=torch.float32, gen=gen(seed),
+                      fa_layout=fa_layout, lens_q=list(lens_q), lens_kv=list(lens_kv))
+    q = case[0]
+    packed = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(lens_q)])
+    cu = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0).tolist()), dtype=torch.int32)
+    return packed, case, cu
+
+
+def pack_rows(padded, lens_q):
+    return torch.cat([padded[b, :, :n].transpose(0, 1) for b, n in enumerate(lens_q)])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_queries_over_a_cache_equal_the_reference(causal):
+    lens_q = (5, 0, 3, 1)
+    q, case, cu = packed_case(lens_q)
+    kw = dict(is_causal=True, bottom_right=True) if causal else {}
+    (out, lse), moved = region(lambda: csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=cu,
+                                                     max_seqlen_q=5, seq_lens_kv=case[5], return_lse=True, **kw))
+    assert moved == {"paged_fwd": {"no_cuda": 1}}, moved
+    want = reference(case, window=(-1, 0) if causal else (-1, -1), bottom_right=causal)
+    assert out.shape == (9, 4, 16) and lse.shape == (9, 4) and lse.dtype == torch.float32
+    assert_rel_close(out.double(), pack_rows(want, lens_q), 1e-5, "packed out")
+
+
+def test_packed_queries_keep_native_layout_and_zero_rows_past_the_last_sequence():
+    lens_q = (2, 3)
+    _, case, cu = packed_case(lens_q, lens_kv=(6, 7), seed=51)
+    storage = torch.randn(4, 7, 16, generator=gen(52))  # (H, T, D) storage: 2 tokens past cu[-1]
+    q = storage.transpose(0, 1)
+    padded = case[0].clone()
+    for b, n in enumerate(lens_q):
+        start = int(cu[b])
+        padded[b, :, :n] = q[start:start + n].transpose(0, 1)
+    out = csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=cu, max_seqlen_q=3,
+                        seq_lens_kv=case[5])
+    assert out.stride() == torch.empty_like(q).stride(), "FlashAttention's layout: empty_like(q)"
+    assert torch.all(out[5:] == 0), "tokens past cu_seqlens_q[-1] are 0"
+    want = reference((padded,) + case[1:])
+    assert_rel_close(out[:5].double(), pack_rows(want, lens_q), 1e-5, "packed out")
+
+
+def test_packed_queries_with_bad_prefix_sums_are_all_nan_unvalidated_and_an_error_validated():
+    q, case, _ = packed_case()
+    bad = torch.tensor([0, 7, 6, 9, 9], dtype=torch.int32)  # decreasing
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
+                      seq_lens_kv=case[5])
+    out = csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
+                        seq_lens_kv=case[5], validate=False)
+    assert torch.isnan(out).all()
+    with pytest.raises(ValueError, match="seq_lens_q is for a dense q"):
+        csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
+                      seq_lens_kv=case[5], seq_lens_q=case[4])
+
+
+def test_packed_queries_with_grad_get_the_composites_gradients():
+    lens_q = (5, 0, 3, 1)
+    q, case, cu = packed_case(lens_q, seed=53)
+    q = q.double().requires_grad_()
+    k_cache = case[1].double().requires_grad_()
+    out = csp.attention(q, k_cache, case[2].double(), block_table=case[3], cu_seqlens_q=cu, max_seqlen_q=5,
+                        seq_lens_kv=case[5], is_causal=True, bottom_right=True)
+    go = torch.randn_like(out)
+    out.backward(go)
+    padded = case[0].double().requires_grad_()
+    ref_k = case[1].double().requires_grad_()
+    want = pack_rows(paged_reference(padded, ref_k, case[2].double(), case[3], case[4], case[5], window=(-1, 0),
+                                     bottom_right=True), lens_q)
+    want.backward(go)
+    assert_rel_close(out.detach(), want.detach(), 1e-10, "out")
+    assert_rel_close(q.grad, pack_rows(padded.grad, lens_q), 1e-10, "dq")
+    assert_rel_close(k_cache.grad, ref_k.grad, 1e-10, "dk_cache")
+
+
+class _Native:
+    """PyTorch's varlen kernel as a fallback reaches it: records that it ran."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def call_boxed(self, keyset, *args, **kwargs):
+        self.calls += 1
+        return "native", None, torch.zeros(2)  # (out, lse, rng_state): the forward marks rng_state
+
+
+def _varlen_has_block_table() -> bool:
+    from cudnn_sdpa_provider import overrides
+
+    ops = overrides._varlen_ops()
+    return bool(ops) and any(a.name == "block_table" for a in ops["_varlen_attn"]._schema.arguments)
+
+
+@pytest.mark.skipif(not _varlen_has_block_table(), reason="this torch's varlen_attn has no block_table (torch < 2.12)")
+def test_varlen_attn_with_a_paged_cache_is_served_on_the_paged_graph(cuda_like):
+    from cudnn_sdpa_provider import markers, overrides
+
+    lens_q = (5, 0, 3, 1)
+    q, case, cu = packed_case(lens_q, seed=54)
+    pool_k, pool_v = case[1].transpose(1, 2), case[2].transpose(1, 2)  # (pages, page_size, H_k, D)
+    ops = overrides._varlen_ops()
+    native = _Native()
+    kernels = overrides._Varlen(ops["_varlen_attn"], native, ops["_varlen_attn_backward"], _Native())
+    before = counters.stats()
+    out, lse, rng = kernels.forward(None, q, pool_k, pool_v, cu, None, 5, 20, True, None, [-1, 0], True, case[5],
+                                    case[3], None)
+    delta = (counters.stats() - before).to_dict()
+    assert delta["varlen_fwd"] == {"served": 1, "fallback": {}} and native.calls == 0, delta
+    want = pack_rows(reference(case, window=(-1, 0), bottom_right=True), lens_q)
+    assert_rel_close(out.double(), want, 1e-5, "varlen_attn over a paged cache")
+    assert lse.shape == (4, 9), "torch_attn's (H, T) LSE"
+    assert markers.lookup(rng).served
+    # seqused_k without a block table: still PyTorch's kernel, with its reason
+    packed_k = torch.randn(26, 2, 16)
+    cu_k = torch.tensor([0, 9, 13, 25, 26], dtype=torch.int32)
+    before = counters.stats()
+    assert kernels.forward(None, q, packed_k, packed_k, cu, cu_k, 5, 12, True, None, [-1, 0], True, case[5],
+                           None, None)[0] == "native"
+    assert (counters.stats() - before).to_dict()["varlen_fwd"] == {"served": 0, "fallback": {"paged_kv": 1}}
