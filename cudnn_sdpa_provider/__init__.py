@@ -29,6 +29,7 @@ __all__ = [
     "report",
     "explain",
     "attention",
+    "fp8",
     "Stats",
     "FallbackError",
     "NotSupportedError",
@@ -63,6 +64,9 @@ def _integrations():
 
 
 def __getattr__(name: str):
+    if name == "fp8":  # FP8 attention (``csp.fp8.attention``, ``csp.fp8.Recipe``): a submodule
+        value = globals()[name] = import_module(".fp8", __name__)
+        return value
     if name == "integrations":
         value = _integrations()
         globals()[name] = value

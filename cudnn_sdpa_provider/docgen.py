@@ -195,12 +195,14 @@ def _reason_text(found) -> str:
 
 
 def _example_stats():
-    """A fixed snapshot: a bf16 run with two float32 calls, varlen sinks on cuDNN 9.19, and paged decode."""
+    """A fixed snapshot: a bf16 run with two float32 calls, varlen sinks on cuDNN 9.19, paged decode, FP8."""
     from .counters import Stats
 
-    served = {"dense_fwd": 24, "dense_bwd": 24, "varlen_fwd": 8, "varlen_bwd": 6, "paged_fwd": 16}
+    served = {"dense_fwd": 24, "dense_bwd": 24, "varlen_fwd": 8, "varlen_bwd": 6, "paged_fwd": 16, "fp8_fwd": 4,
+              "fp8_bwd": 4}
     fallback = {"dense_fwd": {"dtype": 2}, "dense_bwd": {"dtype": 2}, "varlen_fwd": {},
-                "varlen_bwd": {"sink_backward_ragged": 2}, "paged_fwd": {}}
+                "varlen_bwd": {"sink_backward_ragged": 2}, "paged_fwd": {}, "fp8_fwd": {},
+                "fp8_bwd": {}}
     return Stats(MappingProxyType(served), MappingProxyType({p: MappingProxyType(fallback[p]) for p in PATHS}))
 
 

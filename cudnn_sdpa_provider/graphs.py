@@ -1,6 +1,6 @@
-"""The only module that imports ``cudnn``: graph keys, graph builds, the bounded cache, handles.
+"""The only module that imports ``cudnn``: graph builds, the bounded cache, handles.
 
-A graph is described by a frozen key (every dim, stride, dtype and option that changes the
+A graph is described by a frozen key (``keys``) (every dim, stride, dtype and option that changes the
 graph; never a pointer or a value). ``plan(key)`` returns the built graph from a per-thread LRU
 cache, building it on a miss. cuDNN execution plans are not guaranteed thread-safe across engines
 (PyTorch keeps its MHA graph caches thread-local for the same reason), so each thread has its own
@@ -18,12 +18,12 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
 from . import counters, env, tuning
 from .errors import NotSupportedError
+from .keys import UID, BwdKey, Desc, Fp8Key, FwdKey, describe, writes
 from .support import cudnn_bounds
 
 try:  # importing cudnn never needs a GPU; the backend library is dlopen'ed lazily
@@ -36,90 +36,8 @@ except Exception as exc:  # pragma: no cover - exercised on machines without the
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
-__all__ = ["Desc", "FwdKey", "BwdKey", "Plan", "UID", "backend_info", "plan", "execute", "cache_info", "clear_cache"]
-
-
-class UID(IntEnum):
-    Q = 1
-    K = 2
-    V = 3
-    O = 4  # noqa: E741
-    LSE = 5
-    DO = 6
-    DQ = 7
-    DK = 8
-    DV = 9
-    SEQ_Q = 10
-    SEQ_KV = 11
-    SINK = 12
-    DSINK = 13
-    BIAS = 14
-    SEED = 15
-    OFFSET = 16
-    RAG_Q = 17
-    RAG_K = 18
-    RAG_V = 19
-    RAG_O = 20
-    RAG_LSE = 21
-    RAG_DO = 22
-    RAG_DQ = 23
-    RAG_DK = 24
-    RAG_DV = 25
-    RNG_DUMP = 26
-    PAGE_K = 27
-    PAGE_V = 28
-
-
-@dataclass(frozen=True)
-class Desc:
-    """A tensor as cuDNN sees it: dims and strides (elements), plus its dtype."""
-    dims: tuple
-    strides: tuple
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class FwdKey:  # every field that changes the graph; never a pointer or a value
-    device: int
-    q: Desc
-    k: Desc
-    v: Desc
-    o: Desc
-    lse: Desc | None
-    scale: float
-    window: tuple
-    bottom_right: bool
-    sinks: bool = False
-    bias: Desc | None = None
-    padded: bool = False
-    ragged: bool = False
-    dropout_p: float = 0.0
-    rng_dump: bool = False  # tests: also write the realised dropout keep-mask
-    pages: tuple | None = None  # paged KV: (block table Desc (B, 1, M, 1), M x block size); k/v are the caches
-
-@dataclass(frozen=True)
-class BwdKey:
-    device: int
-    q: Desc
-    k: Desc
-    v: Desc
-    o: Desc
-    do: Desc
-    lse: Desc
-    dq: Desc
-    dk: Desc
-    dv: Desc
-    scale: float
-    window: tuple
-    bottom_right: bool
-    sinks: bool = False
-    bias: Desc | None = None
-    padded: bool = False
-    ragged: bool = False
-    dropout_p: float = 0.0
-    deterministic: bool = False
-    max_total: tuple | None = None  # ragged only: (tokens_q, tokens_kv) bounds that size the dQ accumulator
-    padded_lse: bool = False  # ragged only: the LSE is a padded (B, H, S_max, 1) tensor, not ragged
+__all__ = ["Desc", "FwdKey", "BwdKey", "Fp8Key", "Plan", "UID", "backend_info", "plan", "execute", "cache_info",
+           "clear_cache", "describe", "writes"]
 
 
 @dataclass
@@ -262,23 +180,6 @@ def plan(key) -> Plan:
     return built
 
 
-def describe(key) -> str:
-    """A short human description of a graph key (telemetry and logs)."""
-    kind = "bwd" if isinstance(key, BwdKey) else "fwd"
-    dtype = str(key.q.dtype).replace("torch.", "")
-    shape = lambda d: "x".join(str(n) for n in d.dims)  # noqa: E731
-    flags = [f for f, on in (("bottom_right", key.bottom_right), ("sinks", key.sinks), ("bias", key.bias is not None),
-                             ("padded", key.padded), ("varlen", key.ragged),
-                             ("deterministic", getattr(key, "deterministic", False)),
-                             ("padded_lse", getattr(key, "padded_lse", False)),
-                             ("paged", getattr(key, "pages", None) is not None)) if on]
-    if key.dropout_p:
-        flags.append(f"dropout={key.dropout_p}")
-    if getattr(key, "max_total", None):
-        flags.append("max_total={}/{}".format(*key.max_total))
-    return f"{kind} {dtype} q={shape(key.q)} k={shape(key.k)} v={shape(key.v)} window={key.window} {' '.join(flags)}".strip()
-
-
 #: First frontend whose ``graph.execute`` takes ordered buffers with ``tensor_uids`` (1.28 does not).
 ORDERED_SINCE = (1, 31)
 
@@ -323,12 +224,6 @@ def execute(p: Plan, uids: tuple, buffers: tuple, device: int, stream: int) -> N
         p.graph.execute(dict(zip(uids, buffers)), workspace, handle=handle)
 
 
-def writes(key) -> frozenset:
-    """The uids of the buffers a graph for ``key`` writes (the backward reads the LSE)."""
-    uids = (UID.DQ, UID.DK, UID.DV, UID.DSINK) if isinstance(key, BwdKey) else (UID.O, UID.LSE, UID.RNG_DUMP)
-    return frozenset(int(u) for u in uids)
-
-
 # --------------------------------------------------------------------------------- graph builds
 
 _IO = {}
@@ -338,7 +233,7 @@ def _dt(dtype: torch.dtype):
     if not _IO:
         t = cudnn.data_type
         _IO.update({torch.float16: t.HALF, torch.bfloat16: t.BFLOAT16, torch.float32: t.FLOAT, torch.int32: t.INT32,
-                    torch.int64: t.INT64})
+                    torch.int64: t.INT64, torch.float8_e4m3fn: t.FP8_E4M3, torch.float8_e5m2: t.FP8_E5M2})
     return _IO[dtype]
 
 
@@ -446,6 +341,48 @@ def _build_bwd(key: BwdKey, handle):
     return g
 
 
+def _scalars(g, *uids):
+    return [g.tensor(name=u.name.lower(), dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT,
+                     uid=int(u)) for u in uids]
+
+
+def _amax_outputs(tensors, uids):
+    for t, uid in zip(tensors, uids):
+        _output(t, uid, Desc((1, 1, 1, 1), (1, 1, 1, 1), torch.float32))
+
+
+def _fp8_mask(g, key: Fp8Key) -> dict:
+    kw = {"attn_scale": float(key.scale), "use_causal_mask": bool(key.causal)}
+    if key.padded:
+        batch = key.q.dims[0]
+        kw.update(use_padding_mask=True, seq_len_q=_index_tensor(g, UID.SEQ_Q, batch),
+                  seq_len_kv=_index_tensor(g, UID.SEQ_KV, batch))
+    return kw
+
+
+def _build_fp8(key: Fp8Key, handle):
+    """``sdpa_fp8`` (forward) or ``sdpa_fp8_backward``: FP8 operands, fp32 scales and amax values."""
+    g = _new_graph(key, handle)
+    q, k, v = _tensor(g, UID.Q, key.q), _tensor(g, UID.K, key.k), _tensor(g, UID.V, key.v)
+    if not key.backward:
+        factors = _scalars(g, UID.DESCALE_Q, UID.DESCALE_K, UID.DESCALE_V, UID.DESCALE_S, UID.SCALE_S, UID.SCALE_O)
+        o, stats, amax_s, amax_o = g.sdpa_fp8(q, k, v, *factors, generate_stats=key.lse is not None,
+                                              **_fp8_mask(g, key))
+        _output(o, UID.O, key.o)
+        if key.lse is not None:
+            _output(stats, UID.LSE, key.lse)
+        _amax_outputs((amax_s, amax_o), (UID.AMAX_S, UID.AMAX_O))
+        return g
+    o, do, lse = _tensor(g, UID.O, key.o), _tensor(g, UID.DO, key.do), _tensor(g, UID.LSE, key.lse)
+    factors = _scalars(g, UID.DESCALE_Q, UID.DESCALE_K, UID.DESCALE_V, UID.DESCALE_O, UID.DESCALE_DO, UID.DESCALE_S,
+                       UID.DESCALE_DP, UID.SCALE_S, UID.SCALE_DQ, UID.SCALE_DK, UID.SCALE_DV, UID.SCALE_DP)
+    dq, dk, dv, *amax = g.sdpa_fp8_backward(q, k, v, o, do, lse, *factors, **_fp8_mask(g, key))[:7]
+    for t, uid, d in ((dq, UID.DQ, key.dq), (dk, UID.DK, key.dk), (dv, UID.DV, key.dv)):
+        _output(t, uid, d)
+    _amax_outputs(amax, (UID.AMAX_DQ, UID.AMAX_DK, UID.AMAX_DV, UID.AMAX_DP))
+    return g
+
+
 def _plan_name(g) -> str:
     try:
         return str(g.get_plan_name_at_index(int(getattr(g, "_plan_index", 0) or 0)))
@@ -481,7 +418,8 @@ def _build(key, handle) -> Plan:
         raise NotSupportedError("cudnn_unavailable", _IMPORT_ERROR or "cudnn is not importable")
     try:
         with torch.cuda.device(key.device):
-            g = _build_bwd(key, handle) if isinstance(key, BwdKey) else _build_fwd(key, handle)
+            build = _build_fp8 if isinstance(key, Fp8Key) else _build_bwd if isinstance(key, BwdKey) else _build_fwd
+            g = build(key, handle)
             g.validate()
             g.build_operation_graph()
             tune = _prepare(g, _ORDERED and env.autotune() and not getattr(key, "deterministic", False))
@@ -492,7 +430,7 @@ def _build(key, handle) -> Plan:
         # cudnnGraphNotSupportedError derives from plain Exception, bad attributes raise
         # ValueError: either way cuDNN will not run this graph; the provider falls back.
         message = f"{type(exc).__name__}: {exc}".strip()
-        log.info("cuDNN rejected %s graph: %s", "backward" if isinstance(key, BwdKey) else "forward", message)
+        log.info("cuDNN rejected %s graph: %s", describe(key), message)
         raise NotSupportedError("graph_not_supported", message) from None
     name = _plan_name(g)
     log.info("built cuDNN graph, plan %s, workspace %d bytes: %s", name, workspace, describe(key))

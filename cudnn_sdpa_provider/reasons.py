@@ -15,8 +15,9 @@ from typing import NamedTuple
 __all__ = ["Slug", "Reason", "CATALOG", "PATHS"]
 
 #: The paths: op names, counter keys, CLI rows and test ids all use these names. ``paged_fwd`` is
-#: ``csp.attention`` with a ``block_table`` (a paged KV cache; forward only).
-PATHS = ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "paged_fwd")
+#: ``csp.attention`` with a ``block_table`` (a paged KV cache; forward only); ``fp8_fwd`` and
+#: ``fp8_bwd`` are ``csp.fp8`` (FP8 operands with per-tensor scales).
+PATHS = ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "paged_fwd", "fp8_fwd", "fp8_bwd")
 
 
 class Slug(str, enum.Enum):
@@ -93,16 +94,18 @@ CATALOG: dict[str, tuple[str, str]] = {
         "Upgrade cuDNN; docs/support.md lists the releases and configurations.",
     ),
     Slug.COMPUTE_CAPABILITY.value: (
-        "The GPU is older than Ampere (sm_80); cuDNN SDPA needs sm_80 or newer.",
+        "The GPU is older than the call needs: cuDNN SDPA needs Ampere (sm_80), FP8 attention Hopper (sm_90).",
         "Nothing to do on this GPU.",
     ),
     Slug.DTYPE.value: (
-        "The inputs are not all float16 or all bfloat16 (cuDNN SDPA has no float32 path).",
-        "Run attention in fp16/bf16 (autocast does this).",
+        "The inputs are not all float16 or all bfloat16 (cuDNN SDPA has no float32 path); for FP8 attention, "
+        "q, k, v are not float8_e4m3fn (or dO not e4m3fn/e5m2).",
+        "Run attention in fp16/bf16 (autocast does this); quantise FP8 operands with `csp.fp8.quantize`.",
     ),
     Slug.HEAD_DIM.value: (
-        "A head dimension is not a multiple of 8, exceeds 256, or exceeds what this GPU's backward supports.",
-        "Use head dims that are multiples of 8 up to 256 (128 for backward before Hopper).",
+        "A head dimension is not a multiple of 8, exceeds 256, or is not what this GPU's backward supports.",
+        "Use head dims that are multiples of 8 up to 256 (128 for backward before Hopper; exactly 128 for the FP8 "
+        "backward on Hopper).",
     ),
     Slug.GQA_HEADS.value: (
         "The number of query heads is not a multiple of the key/value heads.",

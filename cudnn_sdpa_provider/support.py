@@ -39,6 +39,9 @@ BLOCKED_CUDNN = frozenset({91000, 91001})
 SINK_MIN = 91300  # sink_token forward and dense backward
 SINK_RAGGED_BWD_MIN = 92600  # ragged (THD) + sink backward
 PAGED_WIDE_MIN = 91000  # paged caches with head dims > 128, and masked paged decode (S_q == 1)
+FP8_MIN = 91400  # FP8 SDPA (sdpa_fp8 / sdpa_fp8_backward): cudnn-frontend's own FP8 SDPA tests need 9.14.0
+FP8_CC = (9, 0)  # FP8 tensor cores: Hopper and newer
+FP8_BWD_HEAD_DIM_SM90 = 128  # sm_90's FP8 backward engine serves D = 128 only (results/gpu-run40-fp8-bwd-probe.txt)
 DETERMINISTIC_SMALL_WS_MIN = 92500  # below this, sm_90 deterministic bwd needs O(B*H*S_q*S_kv) workspace
 DROPOUT_BROKEN = (91100, 91400)  # [first bad, first good): cuDNN SDPA dropout bug
 MAX_HEAD_DIM = 256
@@ -73,9 +76,10 @@ class Problem:
     checkpointing); ``paged`` a varlen call with seqused_k or block_table alone; ``unsupported`` names arguments
     given values the provider does not serve. Kind "paged" is a dense query over a paged KV cache
     (``csp.attention(block_table=)``): ``s_kv`` is the table's capacity (blocks x ``block_size``),
-    ``backward`` that its inputs require grad."""
+    ``backward`` that its inputs require grad. Kind "fp8" is ``csp.fp8`` (per-tensor scaled FP8
+    operands; ``dtypes`` has a fourth entry in a backward, dO's)."""
 
-    kind: str  # "dense", "varlen" or "paged"
+    kind: str  # "dense", "varlen", "paged" or "fp8"
     backward: bool
     device_type: str
     dtypes: tuple  # (q, k, v) torch dtypes
@@ -142,6 +146,8 @@ def _unavailable(p: Problem, c: Capabilities) -> str | None:
 def _cc(p: Problem, c: Capabilities) -> str | None:
     if c.compute_capability is not None and c.compute_capability < (8, 0):
         return f"compute capability {c.compute_capability} < (8, 0)"
+    if p.kind == "fp8" and c.compute_capability is not None and c.compute_capability < FP8_CC:
+        return f"FP8 attention needs compute capability >= {FP8_CC} (Hopper), have {c.compute_capability}"
     return None
 
 
@@ -182,6 +188,12 @@ def _empty(p: Problem, c: Capabilities) -> str | None:
 def _dtype(p: Problem, c: Capabilities) -> str | None:
     import torch
 
+    if p.kind == "fp8":
+        e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+        if any(d != e4m3 for d in p.dtypes[:3]) or any(d not in (e4m3, e5m2) for d in p.dtypes[3:]):
+            names = "/".join(str(d).replace("torch.", "") for d in p.dtypes)
+            return f"dtypes {names}; FP8 attention needs float8_e4m3fn q, k, v (and an e4m3fn or e5m2 dO)"
+        return None
     q, k, v = p.dtypes
     if q not in (torch.float16, torch.bfloat16) or k != q or v != q:
         return f"dtypes {q}/{k}/{v}; cuDNN SDPA needs all float16 or all bfloat16"
@@ -193,6 +205,9 @@ def _head_dim(p: Problem, c: Capabilities) -> str | None:
         if d % 8 or d <= 0 or d > MAX_HEAD_DIM:
             return f"{name}={d} (need a multiple of 8 in 8..{MAX_HEAD_DIM})"
     pre_hopper = c.compute_capability is not None and c.compute_capability < (9, 0)
+    sm90 = c.compute_capability is not None and c.compute_capability[0] == 9
+    if p.kind == "fp8" and p.backward and sm90 and (p.d_qk, p.d_v) != (FP8_BWD_HEAD_DIM_SM90,) * 2:
+        return f"FP8 backward with head dims {p.d_qk}/{p.d_v} on sm_90 (its engine serves {FP8_BWD_HEAD_DIM_SM90} only)"
     if p.backward and pre_hopper and max(p.d_qk, p.d_v) > MAX_HEAD_DIM_BWD_PRE_HOPPER:
         return f"backward with head dim {max(p.d_qk, p.d_v)} > {MAX_HEAD_DIM_BWD_PRE_HOPPER} before Hopper"
     return None
@@ -206,6 +221,8 @@ def _gqa(p: Problem, c: Capabilities) -> str | None:
 
 def _feature(p: Problem, c: Capabilities) -> str | None:
     v = c.cudnn_version
+    if v is not None and p.kind == "fp8" and v < FP8_MIN:
+        return f"FP8 attention needs cuDNN >= {version_str(FP8_MIN)} (have {version_str(v)})"
     if v is not None and p.sinks and v < SINK_MIN:
         return f"attention sinks need cuDNN >= {version_str(SINK_MIN)} (have {version_str(v)})"
     if v is not None and p.kind == "paged" and v < PAGED_WIDE_MIN:
@@ -284,18 +301,20 @@ def _ragged(p: Problem, c: Capabilities) -> str | None:
 RULES: tuple[Rule, ...] = (
     Rule(Slug.NO_CUDA.value, "inputs on a CUDA device", _no_cuda),
     Rule(Slug.CUDNN_UNAVAILABLE.value, "nvidia-cudnn-frontend importable and cuDNN loadable", _unavailable),
-    Rule(Slug.COMPUTE_CAPABILITY.value, "GPU sm_80 or newer", _cc),
+    Rule(Slug.COMPUTE_CAPABILITY.value, "GPU sm_80 or newer (FP8: sm_90 or newer)", _cc),
     Rule(Slug.CUDNN_VERSION.value, f"cuDNN >= {version_str(MIN_CUDNN)}, not 9.10.0/9.10.1", _global_version),
     Rule(Slug.PAGED_KV.value, "varlen_attn's seqused_k and block_table both or neither", _paged),
     Rule(Slug.PAGED_BACKWARD.value, "a paged KV cache (block_table) without grad", _paged_backward),
     Rule(Slug.UNSUPPORTED_ARGUMENT.value, "no argument the provider does not serve", _unsupported),
     Rule(Slug.EMPTY.value, "no zero-size inputs", _empty),
-    Rule(Slug.DTYPE.value, "q, k, v all float16 or all bfloat16", _dtype),
-    Rule(Slug.HEAD_DIM.value, "head dims multiples of 8 up to 256 (backward before Hopper: 128)", _head_dim),
+    Rule(Slug.DTYPE.value, "q, k, v all float16 or all bfloat16 (FP8: float8_e4m3fn, dO e4m3fn or e5m2)", _dtype),
+    Rule(Slug.HEAD_DIM.value, "head dims multiples of 8 up to 256 (backward before Hopper: 128; FP8 backward on "
+                              "sm_90: 128)", _head_dim),
     Rule(Slug.GQA_HEADS.value, "H_q divisible by H_k and by H_v", _gqa),
     Rule(Slug.PAGED_BLOCK_SIZE.value, "paged KV cache blocks of a power-of-2 size", _paged_block_size),
     Rule(Slug.CUDNN_FEATURE.value, f"attention sinks on cuDNN >= {version_str(SINK_MIN)}; paged head dims > 128 "
-                                   f"and masked paged decode on >= {version_str(PAGED_WIDE_MIN)}", _feature),
+                                   f"and masked paged decode on >= {version_str(PAGED_WIDE_MIN)}; FP8 on >= "
+                                   f"{version_str(FP8_MIN)}", _feature),
     Rule(Slug.CUDNN_BUG.value, "no known bug of this cuDNN release for this configuration", _bug),
     Rule(Slug.SINK_BACKWARD_RAGGED.value, "varlen sink backward on cuDNN >= 9.26", _sink_ragged_bwd),
     Rule(Slug.SINK_DECODE.value, "no sinks at S_q == 1", _sink_decode),

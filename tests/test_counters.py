@@ -31,8 +31,8 @@ def make_stats(served=None, fallback=None, plans=None) -> counters.Stats:
                           MappingProxyType(plans or {}))
 
 
-def test_paths_are_the_five_public_names():
-    assert PATHS == ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "paged_fwd")
+def test_paths_are_the_seven_public_names():
+    assert PATHS == ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "paged_fwd", "fp8_fwd", "fp8_bwd")
     assert csp.PATHS is PATHS
 
 
@@ -50,6 +50,8 @@ def test_to_dict_is_exactly_the_paths_served_and_fallback():
         "varlen_fwd": {"served": 0, "fallback": {"dtype": 2, "head_dim": 1}},
         "varlen_bwd": {"served": 0, "fallback": {}},
         "paged_fwd": {"served": 0, "fallback": {}},
+        "fp8_fwd": {"served": 0, "fallback": {}},
+        "fp8_bwd": {"served": 0, "fallback": {}},
     }
     assert list(d) == list(PATHS)
     for entry in d.values():
@@ -112,6 +114,8 @@ def test_rows_sort_reasons_by_count_then_name():
         ("varlen_fwd", 0, 0, "-"),
         ("varlen_bwd", 0, 0, "-"),
         ("paged_fwd", 0, 0, "-"),
+        ("fp8_fwd", 0, 0, "-"),
+        ("fp8_bwd", 0, 0, "-"),
     ]
 
 
@@ -123,7 +127,9 @@ def test_format_table_exact_text():
         "dense_bwd        0         3  no_cuda=3\n"
         "varlen_fwd       0         0  -\n"
         "varlen_bwd       0         0  -\n"
-        "paged_fwd        0         0  -"
+        "paged_fwd        0         0  -\n"
+        "fp8_fwd          0         0  -\n"
+        "fp8_bwd          0         0  -"
     )
 
 

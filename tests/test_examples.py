@@ -55,12 +55,18 @@ CASES = {
     "hf_model.py": ["llama, lengths [64, 40, 17]", "attention calls: 4,", "dense_bwd"],
     "paged_decode.py": ["prompts [37, 5, 60] in chunks of 32, then 4 decode steps; lengths [41, 9, 64]",
                         "max |out - F.sdpa on each sequence's keys|", "paged_fwd"],
+    "fp8_attention.py": ["step 2: loss fp8", "FP8 attention vs fp32: max|out - ref| / max|ref| =", "fp8_bwd"],
 }
 
 
 def paged_error(stdout: str) -> float:
     """The relative error examples/paged_decode.py prints against F.sdpa on each sequence."""
     return float(stdout.split("/ max|ref| = ")[1].split()[0])
+
+
+def fp8_error(stdout: str) -> float:
+    """The relative error examples/fp8_attention.py prints against fp32 attention."""
+    return float(stdout.split("max|out - ref| / max|ref| = ")[1].split()[0])
 
 
 def _report_rows(stdout: str) -> list[tuple[str, int, int]]:
@@ -82,6 +88,8 @@ def test_example_runs(name, tmp_path):
         assert "no_cuda=" in result.stdout, result.stdout  # fallbacks are reported, not hidden
         if name == "paged_decode.py":  # fp32 on CPU
             assert paged_error(result.stdout) < 1e-5, result.stdout
+    if name == "fp8_attention.py":  # FP8's bound (docs/fp8.md), on the reference or on cuDNN
+        assert fp8_error(result.stdout) < 0.1, result.stdout
     assert _report_rows(result.stdout), f"no telemetry table in the output of {name}:\n{result.stdout}"
 
 

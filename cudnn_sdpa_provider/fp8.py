@@ -1,0 +1,288 @@
+"""FP8 attention on cuDNN's per-tensor-scaled FP8 graphs (Hopper and newer), audited like every call.
+
+    import cudnn_sdpa_provider as csp
+    recipe = csp.fp8.Recipe()                        # one per model (or per layer)
+    out = csp.fp8.attention(q, k, v, is_causal=True, recipe=recipe)   # bf16 in, bf16 out
+    out.sum().backward()                             # dq, dk, dv in bf16
+
+Two levels:
+
+* ``attention``: activations (bf16, fp16 or fp32) in, the same dtype out, differentiable through
+  autograd. It quantises q, k, v (and, in the backward, dO) with current scaling (``quantize``:
+  the largest FP8 value over this call's amax, as a power of 2) and runs the FP8 graphs. O's scale
+  comes from max |V| (|O| <= max |V|: each row of O is a convex combination of V's rows). The
+  scales of dQ, dK, dV and dS, which cuDNN needs before it computes them, come from the
+  ``Recipe``'s amax of the previous backward (x ``margin``), checked against this call's amax and
+  re-run when an output would have saturated (``fp8_ops``): no clipped gradient is returned.
+* ``forward`` / ``backward``: FP8 operands with the caller's own factors, returning what a scaling
+  recipe needs (the amax values). Real value = stored value x descale; an output stored in FP8 is
+  its real value x scale, saturated at 448 (float8_e4m3fn), as cuDNN stores it.
+
+Paths ``fp8_fwd`` / ``fp8_bwd`` count the calls; a call cuDNN cannot serve (an older GPU, a head
+dim its FP8 backward lacks) runs on ``fp8_reference`` with a reason, or raises ``FallbackError``
+in strict mode. docs/fp8.md states the accuracy measured against fp32 and the speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import arguments, scope
+from .fp8_reference import FORMAT_MAX, pow2_scale
+
+__all__ = ["E4M3", "E5M2", "DEFAULT_SCALE_S", "quantize", "Forward", "Backward", "forward", "backward", "Recipe",
+           "attention"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+#: Scale of the softmax probabilities P (in [0, 1]) before they are stored in FP8.
+DEFAULT_SCALE_S = 256.0
+#: O is stored with scale = largest FP8 value x this / max |V| (P's rounding can push a row of O a
+#: little past max |V|).
+O_HEADROOM = 0.875
+
+
+def _kernels(q):
+    from . import fp8_ops  # registers the ops on first use
+
+    return fp8_ops.kernels(q)
+
+
+def _current(t: torch.Tensor, dtype, margin: float = 1.0):
+    """(t in FP8 ``dtype``, descale (1,), amax): one pass for the amax, one scaled cast. The scale
+    is a power of 2 at most top / amax, so no value exceeds the format (no clamp); non-finite
+    values give non-finite results."""
+    t = t.detach()
+    amax = torch.linalg.vector_norm(t, float("inf")).float() if t.numel() else \
+        t.new_zeros((), dtype=torch.float32)
+    scale = torch.exp2(torch.floor(torch.log2(FORMAT_MAX[dtype] / (amax * margin).clamp(min=1e-30))))
+    scale = torch.where(amax > 0, scale, 1.0)
+    work = t if t.dtype in (torch.bfloat16, torch.float32) else t.float()  # a power-of-2 scale is exact in bf16
+    return (work * scale.to(work.dtype)).to(dtype), (1.0 / scale).reshape(1), amax
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: float = 1.0):
+    """``t`` in FP8 with current scaling: (stored, descale (1,) fp32), stored x descale ~ t.
+
+    scale = largest value of ``dtype`` / (``margin`` x max |t|), rounded down to a power of 2 (so
+    descale is exact); an all-zero ``t`` gets scale 1."""
+    arguments.require_tensor("t", t)
+    if dtype not in FORMAT_MAX:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if not t.is_floating_point():
+        raise TypeError(f"t must be floating point, got {t.dtype}")
+    _positive("margin", margin, 1.0)
+    stored, descale, _ = _current(t, dtype, margin)
+    return stored, descale
+
+
+@dataclass
+class Forward:
+    """``forward``'s result: ``out`` float8_e4m3fn (real = out x 1/scale_o), ``lse`` (B, H, S_q, 1) fp32
+    or None, ``amax_s`` (the largest softmax probability) and ``amax_o`` (max |O|), 0-dim fp32."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    amax_s: torch.Tensor
+    amax_o: torch.Tensor
+
+
+@dataclass
+class Backward:
+    """``backward``'s result: dq, dk, dv float8_e4m3fn (real = stored / its scale) and the amax of
+    each and of dS (``amax_dp``: cuDNN's name), 0-dim fp32."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    amax_dq: torch.Tensor
+    amax_dk: torch.Tensor
+    amax_dv: torch.Tensor
+    amax_dp: torch.Tensor
+
+
+def _positive(name: str, value, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            value <= 0 or value < minimum:
+        low = f">= {minimum}" if minimum else "> 0"
+        raise ValueError(f"{name} must be a finite float {low}, got {value!r}")
+    return float(value)
+
+
+def _factor(name: str, t, device) -> torch.Tensor:
+    arguments.require_tensor(name, t)
+    if t.numel() != 1 or t.dtype != torch.float32:
+        raise ValueError(f"{name} must be a one-element float32 tensor (a per-tensor factor), got shape "
+                         f"{tuple(t.shape)} {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    return t.reshape(1)
+
+
+def _operands(q, k, v, fp8: bool):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        arguments.require_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, S, D), got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share a device")
+        if fp8 and t.dtype != E4M3:
+            raise TypeError(f"{name} must be torch.float8_e4m3fn (use csp.fp8.quantize), got {t.dtype}")
+    if not fp8:
+        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"q, k, v must share one of bfloat16, float16, float32 (FP8 operands go to "
+                            f"csp.fp8.forward), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"batch/sequence sizes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    h_q, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
+    if h_k == 0 or h_v == 0 or h_q % h_k or h_q % h_v or h_k != h_v:
+        raise ValueError(f"H_q={h_q} must be a multiple of H_k={h_k} = H_v={h_v} (GQA/MQA)")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}")
+
+
+def _lengths(q, k, seq_lens_q, seq_lens_kv):
+    if (seq_lens_q is None) != (seq_lens_kv is None):
+        raise ValueError("pass both seq_lens_q and seq_lens_kv (padded batches), or neither")
+    if seq_lens_q is None:
+        return None, None
+    seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, q.shape[0], q.device)
+    seq_lens_kv = arguments.lengths("seq_lens_kv", seq_lens_kv, q.shape[0], q.device)
+    if q.device.type == "cpu" and arguments.readable(seq_lens_q):
+        arguments.check_lengths("seq_lens_q", seq_lens_q, q.shape[2], "S_q")
+        arguments.check_lengths("seq_lens_kv", seq_lens_kv, k.shape[2], "S_kv")
+    return seq_lens_q, seq_lens_kv
+
+
+def _fallback() -> bool:
+    return torch.compiler.is_compiling() or not scope.strict()
+
+
+def forward(q, k, v, *, descale_q, descale_k, descale_v, scale_o, is_causal=False, scale=None, seq_lens_q=None,
+            seq_lens_kv=None, scale_s=DEFAULT_SCALE_S, return_lse=False) -> Forward:
+    """FP8 attention forward on float8_e4m3fn q (B, H_q, S_q, D), k, v (B, H_k, S_kv, D).
+
+    ``descale_*`` / ``scale_o``: one-element fp32 tensors. ``is_causal``: top-left causal mask;
+    ``seq_lens_q`` / ``seq_lens_kv`` (B,) int: padding by lengths (rows past them are 0).
+    ``return_lse``: also the softmax's log-sum-exp, which ``backward`` needs."""
+    _operands(q, k, v, fp8=True)
+    factors = [_factor(n, t, q.device) for n, t in (("descale_q", descale_q), ("descale_k", descale_k),
+                                                    ("descale_v", descale_v), ("scale_o", scale_o))]
+    arguments.flag("is_causal", is_causal)
+    arguments.flag("return_lse", return_lse)
+    seq_lens_q, seq_lens_kv = _lengths(q, k, seq_lens_q, seq_lens_kv)
+    out, lse, amax = _kernels(q)[0](q, k, v, *factors, seq_lens_q, seq_lens_kv, arguments.scale(scale, q.shape[3]),
+                                    _positive("scale_s", scale_s), is_causal, return_lse, _fallback())
+    return Forward(out, lse if return_lse else None, amax[0], amax[1])
+
+
+def backward(grad_out, q, k, v, out, lse, *, descale_q, descale_k, descale_v, descale_o, descale_do, scale_dq,
+             scale_dk, scale_dv, scale_dp, is_causal=False, scale=None, seq_lens_q=None, seq_lens_kv=None,
+             scale_s=DEFAULT_SCALE_S) -> Backward:
+    """FP8 attention backward at the caller's scales: ``grad_out`` float8_e4m3fn or float8_e5m2 like
+    ``out``; ``out`` and ``lse`` from ``forward(return_lse=True)`` on the same q, k, v and options;
+    ``scale_dp`` scales dS = P (dP - rowsum(dO O)) x scale, which cuDNN stores in FP8 on the way to
+    dQ and dK. A scale too large saturates its output: check the returned amax values."""
+    _operands(q, k, v, fp8=True)
+    for name, t, shape in (("grad_out", grad_out, out.shape), ("out", out, q.shape[:3] + v.shape[3:]),
+                           ("lse", lse, q.shape[:3] + (1,))):
+        arguments.require_tensor(name, t)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if grad_out.dtype not in (E4M3, E5M2) or out.dtype != E4M3 or lse.dtype != torch.float32:
+        raise TypeError(f"grad_out must be float8_e4m3fn or float8_e5m2, out float8_e4m3fn, lse float32; got "
+                        f"{grad_out.dtype}, {out.dtype}, {lse.dtype}")
+    names = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_do")
+    descales = [_factor(n, t, q.device) for n, t in zip(names, (descale_q, descale_k, descale_v, descale_o,
+                                                                 descale_do))]
+    scales = torch.cat([_factor(n, t, q.device) for n, t in (("scale_dq", scale_dq), ("scale_dk", scale_dk),
+                                                              ("scale_dv", scale_dv), ("scale_dp", scale_dp))])
+    arguments.flag("is_causal", is_causal)
+    seq_lens_q, seq_lens_kv = _lengths(q, k, seq_lens_q, seq_lens_kv)
+    dq, dk, dv, _, amax = _kernels(q)[1](grad_out, q, k, v, out, lse, *descales, scales, 0, seq_lens_q,
+                                         seq_lens_kv, arguments.scale(scale, q.shape[3]),
+                                         _positive("scale_s", scale_s), 2.0, is_causal, _fallback())
+    return Backward(dq, dk, dv, *amax.unbind())
+
+
+class Recipe:
+    """Scaling for ``attention``: current scaling of q, k, v, dO; O from max |V|; dQ, dK, dV, dS
+    from the last backward's amax x ``margin`` (a power of 2 of headroom by default), checked and
+    re-run on saturation. ``grad_dtype``: dO's FP8 format (e4m3fn, or e5m2 for more range).
+    One recipe holds one amax set per device; share it across layers or give each its own (a
+    layer whose gradients differ in size from the last one's costs a re-run, never accuracy)."""
+
+    def __init__(self, *, margin: float = 2.0, scale_s: float = DEFAULT_SCALE_S, grad_dtype: torch.dtype = E4M3):
+        self.margin = _positive("margin", margin, 1.0)
+        self.scale_s = _positive("scale_s", scale_s)
+        if grad_dtype not in (E4M3, E5M2):
+            raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
+        self.grad_dtype = grad_dtype
+        self._states: dict = {}
+        from . import fp8_ops
+
+        self.id = fp8_ops.register(self)  # how the backward kernel finds this recipe's state
+
+    def state(self, device) -> torch.Tensor:
+        """This device's (5,) fp32 state: last amax of dQ, dK, dV, dS (0: none yet), re-runs so far."""
+        device = torch.device(device)
+        found = self._states.get(device)
+        if found is None:
+            found = self._states[device] = torch.zeros(5, dtype=torch.float32, device=device)
+        return found
+
+    @property
+    def retries(self) -> int:
+        """Backwards re-run because an output would have saturated (all devices; a host sync)."""
+        return int(sum(s[4].item() for s in self._states.values()))
+
+    def __repr__(self) -> str:
+        return f"Recipe(margin={self.margin}, scale_s={self.scale_s}, grad_dtype={self.grad_dtype})"
+
+
+_DEFAULT = Recipe()
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, seq_q, seq_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback):
+        q8, descale_q, _ = _current(q, E4M3)
+        k8, descale_k, _ = _current(k, E4M3)
+        v8, descale_v, amax_v = _current(v, E4M3)
+        scale_o = pow2_scale(amax_v / O_HEADROOM, FORMAT_MAX[E4M3]).reshape(1)
+        out8, lse, _ = _kernels(q8)[0](q8, k8, v8, descale_q, descale_k, descale_v, scale_o, seq_q, seq_kv, scale,
+                                      scale_s, is_causal, True, fallback)
+        descale_o = 1.0 / scale_o
+        ctx.save_for_backward(q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv)
+        ctx.options = (recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, q.dtype)
+        return out8.to(q.dtype) * descale_o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv = ctx.saved_tensors
+        recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, dtype = ctx.options
+        do8, descale_do, _ = _current(grad_out, grad_dtype)
+        dq, dk, dv, used, _ = _kernels(q8)[1](do8, q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o,
+                                             descale_do, None, recipe, seq_q, seq_kv, scale, scale_s, margin,
+                                             is_causal, fallback)
+        descale = (1.0 / used).to(dtype)
+        grads = tuple(g.to(dtype) * descale[i] for i, g in enumerate((dq, dk, dv)))
+        return grads + (None,) * 9
+
+
+def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens_kv=None, recipe=None):
+    """Attention of bf16/fp16/fp32 q (B, H_q, S_q, D), k, v (B, H_k, S_kv, D) computed in FP8, output
+    in q's dtype; differentiable (dq, dk, dv in q's dtype). ``recipe``: a ``Recipe`` (default: one
+    shared by every call that passes none)."""
+    _operands(q, k, v, fp8=False)
+    arguments.flag("is_causal", is_causal)
+    if recipe is None:
+        recipe = _DEFAULT
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a csp.fp8.Recipe or None, got {type(recipe).__name__}")
+    seq_lens_q, seq_lens_kv = _lengths(q, k, seq_lens_q, seq_lens_kv)
+    return _Attention.apply(q, k, v, seq_lens_q, seq_lens_kv, recipe.id, arguments.scale(scale, q.shape[3]),
+                            is_causal, recipe.scale_s, recipe.margin, recipe.grad_dtype, _fallback())
