@@ -104,6 +104,16 @@ class Backward:
     amax_dp: torch.Tensor
 
 
+def _scale_s(value) -> float:
+    """P's scale: P~ = exp(S - rowmax) reaches 1 in every row, so a scale above the largest FP8
+    value saturates it."""
+    value = _positive("scale_s", value)
+    if value > FORMAT_MAX[E4M3]:
+        raise ValueError(f"scale_s must be at most {FORMAT_MAX[E4M3]} (the softmax's largest value, 1, times "
+                         f"scale_s must fit float8_e4m3fn), got {value!r}")
+    return value
+
+
 def _positive(name: str, value, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
             value <= 0 or value < minimum:
@@ -175,7 +185,7 @@ def forward(q, k, v, *, descale_q, descale_k, descale_v, scale_o, is_causal=Fals
     arguments.flag("return_lse", return_lse)
     seq_lens_q, seq_lens_kv = _lengths(q, k, seq_lens_q, seq_lens_kv)
     out, lse, amax = _kernels(q)[0](q, k, v, *factors, seq_lens_q, seq_lens_kv, arguments.scale(scale, q.shape[3]),
-                                    _positive("scale_s", scale_s), is_causal, return_lse, _fallback())
+                                    _scale_s(scale_s), is_causal, return_lse, _fallback())
     return Forward(out, lse if return_lse else None, amax[0], amax[1])
 
 
@@ -187,9 +197,10 @@ def backward(grad_out, q, k, v, out, lse, *, descale_q, descale_k, descale_v, de
     ``scale_dp`` scales dS = P (dP - rowsum(dO O)) x scale, which cuDNN stores in FP8 on the way to
     dQ and dK. A scale too large saturates its output: check the returned amax values."""
     _operands(q, k, v, fp8=True)
+    for name, t in (("grad_out", grad_out), ("out", out), ("lse", lse)):
+        arguments.require_tensor(name, t)
     for name, t, shape in (("grad_out", grad_out, out.shape), ("out", out, q.shape[:3] + v.shape[3:]),
                            ("lse", lse, q.shape[:3] + (1,))):
-        arguments.require_tensor(name, t)
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if grad_out.dtype not in (E4M3, E5M2) or out.dtype != E4M3 or lse.dtype != torch.float32:
@@ -204,7 +215,7 @@ def backward(grad_out, q, k, v, out, lse, *, descale_q, descale_k, descale_v, de
     seq_lens_q, seq_lens_kv = _lengths(q, k, seq_lens_q, seq_lens_kv)
     dq, dk, dv, _, amax = _kernels(q)[1](grad_out, q, k, v, out, lse, *descales, scales, 0, seq_lens_q,
                                          seq_lens_kv, arguments.scale(scale, q.shape[3]),
-                                         _positive("scale_s", scale_s), 2.0, is_causal, _fallback())
+                                         _scale_s(scale_s), 2.0, is_causal, _fallback())
     return Backward(dq, dk, dv, *amax.unbind())
 
 
@@ -217,7 +228,7 @@ class Recipe:
 
     def __init__(self, *, margin: float = 2.0, scale_s: float = DEFAULT_SCALE_S, grad_dtype: torch.dtype = E4M3):
         self.margin = _positive("margin", margin, 1.0)
-        self.scale_s = _positive("scale_s", scale_s)
+        self.scale_s = _scale_s(scale_s)
         if grad_dtype not in (E4M3, E5M2):
             raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
         self.grad_dtype = grad_dtype

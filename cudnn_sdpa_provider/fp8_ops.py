@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import fp8_cudnn, fp8_reference, ops, route, scope, support
+from . import fp8_cudnn, fp8_reference, layout, ops, route, scope, support
 from .binding import tensor_key
 
 __all__ = ["fp8_fwd", "fp8_bwd", "problem", "kernels", "register", "ATTEMPTS", "E4M3_MAX"]
@@ -122,7 +122,7 @@ def _fp8_fwd_cpu(q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, s
 def _fp8_fwd_fake(q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, seq_len_kv, scale, scale_s, is_causal,
                   compute_lse, fallback):
     b, h, s_q, _ = q.shape
-    out = q.new_empty((b, h, s_q, v.shape[3]), dtype=torch.float8_e4m3fn)
+    out = layout.dense_out(q, (b, h, s_q, v.shape[3]), torch.float8_e4m3fn)  # as fp8_cudnn and the reference
     lse = q.new_empty((b, h, s_q, 1) if compute_lse else (0,), dtype=torch.float32)
     return out, lse, q.new_empty((2,), dtype=torch.float32)
 
@@ -206,7 +206,7 @@ def _fp8_bwd_cpu(grad_out, q, k, v, out, lse, descale_q, descale_k, descale_v, d
 @fp8_bwd.register_fake
 def _fp8_bwd_fake(grad_out, q, k, v, out, lse, descale_q, descale_k, descale_v, descale_o, descale_do, scales, recipe,
                   seq_len_q, seq_len_kv, scale, scale_s, margin, is_causal, fallback):
-    grads = tuple(torch.empty_like(t, dtype=torch.float8_e4m3fn) for t in (q, k, v))
+    grads = tuple(layout.grad_like(t) for t in (q, k, v))  # q, k, v are float8_e4m3fn
     return grads + (q.new_empty((4,), dtype=torch.float32), q.new_empty((4,), dtype=torch.float32))
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from . import layout
+
 __all__ = ["FORMAT_MAX", "quantize_to", "pow2_scale", "forward", "backward"]
 
 #: The largest finite value of each FP8 format.
@@ -75,7 +77,7 @@ def _group_sum(t: torch.Tensor, h_k: int) -> torch.Tensor:
 
 def forward(q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, seq_len_kv, scale, scale_s, causal,
             compute_lse):
-    """(out FP8 like q (B, H_q, S_q, D_v) contiguous, lse (B, H_q, S_q, 1) fp32 or empty, amax (2,) [s, o])."""
+    """(out FP8 (B, H_q, S_q, D_v) in q's dimension order, lse (B, H_q, S_q, 1) fp32 or empty, amax (2,) [s, o])."""
     s, mask, _, _ = _scores(q, k, descale_q, descale_k, scale, causal, seq_len_q, seq_len_kv)
     vf = _real(v, descale_v).repeat_interleave(q.shape[1] // v.shape[1], 1)
     top = s.amax(-1, keepdim=True)
@@ -90,7 +92,8 @@ def forward(q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, seq_le
     out = quantize_to(o * scale_o.float().reshape(()), q.dtype)
     lse = torch.where(live, top + torch.log(safe), torch.full_like(top, float("inf"))) if compute_lse else \
         q.new_empty((0,), dtype=torch.float32)
-    return out.contiguous(), lse.contiguous(), amax
+    target = layout.dense_out(q, tuple(out.shape), out.dtype)  # q's dimension order, as cuDNN writes it
+    return target.copy_(out), lse.contiguous(), amax
 
 
 def backward(grad_out, q, k, v, out, descales, scales, seq_len_q, seq_len_kv, scale, scale_s, causal, dtypes):
@@ -118,6 +121,6 @@ def backward(grad_out, q, k, v, out, descales, scales, seq_len_q, seq_len_kv, sc
     dq = ds8 @ kf
     dk = _group_sum(ds8.transpose(-1, -2) @ qf, h_k)
     amax = torch.stack([t.abs().amax() if t.numel() else t.new_zeros(()) for t in (dq, dk, dv, ds)])
-    grads = tuple(quantize_to(g * sc, dt).contiguous() for g, sc, dt in
-                  zip((dq, dk, dv), (scale_dq, scale_dk, scale_dv), dtypes))
+    grads = tuple(torch.empty_like(t, dtype=dt).copy_(quantize_to(g * sc, dt)) for t, g, sc, dt in  # t's layout
+                  zip((q, k, v), (dq, dk, dv), (scale_dq, scale_dk, scale_dv), dtypes))
     return grads + (amax,)

@@ -211,9 +211,6 @@ def test_fp8_backward_with_a_head_dim_the_sm90_engine_lacks_falls_back_with_its_
             csp.fp8.attention(q, k, v, is_causal=True).backward(torch.ones_like(out))
 
 
-# torch 2.11's dynamo instantiates torch.autograd.Function itself while tracing one (its own
-# DeprecationWarning, which this suite turns into an error); later torch versions do not.
-@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
 def test_fp8_attention_compiles_fullgraph_and_matches_eager():
     q, k, v = _bf16(2, 8, 8, 512, 128, seed=11)
     go = torch.randn(2, 8, 512, 128, device=DEV, dtype=torch.bfloat16)
