@@ -86,8 +86,10 @@ def test_example_runs(name, tmp_path):
         assert line in result.stdout, f"{line!r} not in the output of {name}:\n{result.stdout}"
     if _no_cuda():
         assert "no_cuda=" in result.stdout, result.stdout  # fallbacks are reported, not hidden
-        if name == "paged_decode.py":  # fp32 on CPU
-            assert paged_error(result.stdout) < 1e-5, result.stdout
+        if name == "paged_decode.py":  # fp32 on CPU, against fp64: 3.0e-7 with 1-3 threads, but 2.4e-5
+            # with OMP_NUM_THREADS=4 (seen once in CI): the fp32 composite's rounding follows the
+            # thread count; which kernel's blocking it is was not found. fp32's bound, not bf16's.
+            assert paged_error(result.stdout) < 1e-4, result.stdout
     if name == "fp8_attention.py":  # FP8's bound (docs/fp8.md), on the reference or on cuDNN
         assert fp8_error(result.stdout) < 0.1, result.stdout
     assert _report_rows(result.stdout), f"no telemetry table in the output of {name}:\n{result.stdout}"
