@@ -22,7 +22,8 @@ backwards of one compiled graph may update it, which torch.compile cannot expres
 from __future__ import annotations
 
 import itertools
-import weakref
+import threading
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -37,24 +38,34 @@ E4M3_MAX = fp8_reference.FORMAT_MAX[torch.float8_e4m3fn]
 ATTEMPTS = 4
 UNDER = 16.0  # a recipe's scale this much smaller than this call's amax allows is re-run too
 _ON_CPU = route.fixed("no_cuda", "inputs are on the CPU")
-_RECIPES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+#: The recipes by id, held strongly so that a recipe only a pending backward needs (one created
+#: inline in the call) is still there when the backward runs; the ``KEEP`` most recently used stay.
+_RECIPES: "OrderedDict[int, object]" = OrderedDict()
+_RECIPES_LOCK = threading.Lock()
 _IDS = itertools.count(1)
+KEEP = 4096
 
 
 def register(recipe) -> int:
-    """An id for ``recipe`` (anything with ``state(device) -> (5,) fp32 tensor``), kept while it lives."""
-    rid = next(_IDS)
-    _RECIPES[rid] = recipe
+    """An id for ``recipe`` (anything with ``state(device) -> (5,) fp32 tensor``)."""
+    with _RECIPES_LOCK:
+        rid = next(_IDS)
+        _RECIPES[rid] = recipe
+        while len(_RECIPES) > KEEP:
+            _RECIPES.popitem(last=False)
     return rid
 
 
 def _state(recipe: int, device) -> Optional[Tensor]:
     if not recipe:
         return None
-    holder = _RECIPES.get(recipe)
+    with _RECIPES_LOCK:
+        holder = _RECIPES.get(recipe)
+        if holder is not None:
+            _RECIPES.move_to_end(recipe)
     if holder is None:
-        raise RuntimeError(f"cudnn_sdpa::fp8_bwd: recipe {recipe} no longer exists (keep the csp.fp8.Recipe alive "
-                           "until the backward has run)")
+        raise RuntimeError(f"cudnn_sdpa::fp8_bwd: recipe {recipe} was dropped ({KEEP} recipes used since; reuse one "
+                           "csp.fp8.Recipe per model or layer rather than one per call)")
     return holder.state(device)
 
 

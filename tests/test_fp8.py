@@ -17,6 +17,7 @@ subnormal step 2^-9). float8_e5m2: 2^-3 relative, normal from 2^-14, absolute 2^
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 
 import pytest
@@ -525,6 +526,17 @@ def test_recipe_with_a_stale_state_reruns_to_the_fresh_result(factor):
     assert torch.allclose(stale.state("cpu")[:4], amax, rtol=1e-6)
 
 
+def test_a_recipe_passed_inline_lives_until_the_backward():
+    q, k, v, go = attn_inputs(4, 4, 16, torch.float32, seed=44)
+    q, k, v = leaves(q, k, v)
+    out = fp8.attention(q, k, v, recipe=fp8.Recipe())  # nothing else holds this Recipe
+    gc.collect()
+    out.backward(go)
+    want = sdpa64_grads(q.detach(), k.detach(), v.detach(), go, False)
+    for got, ref in zip((q.grad, k.grad, v.grad), want[1:]):
+        assert got is not None and rel_error(got, ref)[0] <= ATTN_GRAD_TOL
+
+
 def test_recipe_with_e5m2_gradients():
     q, k, v, go = attn_inputs(4, 4, 32, torch.bfloat16, seed=42)
     recipe = fp8.Recipe(grad_dtype=E5M2)
@@ -557,7 +569,8 @@ def test_recipe_bad_arguments(kwargs, match):
 
 def test_a_scale_s_that_would_saturate_p_is_refused():
     # P~ reaches 1 in every row: scale_s above 448 would store it saturated
-    for make in (lambda: fp8.Recipe(scale_s=1024.0), lambda: fp8.forward(**fp8_case(4, 4, 16, 16, seed=44), scale_s=449.0)):
+    for make in (lambda: fp8.Recipe(scale_s=1024.0),
+                 lambda: fp8.forward(**fp8_case(4, 4, 16, 16, seed=44), scale_s=449.0)):
         with pytest.raises(ValueError, match="scale_s must be at most 448"):
             make()
     assert fp8.Recipe(scale_s=448.0).scale_s == 448.0
@@ -944,3 +957,13 @@ def test_fp8_dtype_rules():
 def test_fp8_problem_of_cpu_tensors_is_no_cuda():
     p = fp8_problem(device="cpu")
     assert p.device_type == "cpu" and slugs(p) == ["no_cuda"]
+
+
+def test_a_recipe_dropped_from_the_registry_raises_naming_the_fix(monkeypatch):
+    q, k, v, go = attn_inputs(4, 4, 16, torch.float32, seed=45)
+    q, k, v = leaves(q, k, v)
+    monkeypatch.setattr(fp8_ops, "KEEP", 2)
+    out = fp8.attention(q, k, v, recipe=fp8.Recipe())
+    fp8.Recipe(), fp8.Recipe()  # two newer recipes push the call's out of a registry of 2
+    with pytest.raises(RuntimeError, match="reuse one csp.fp8.Recipe per model or layer"):
+        out.backward(go)
