@@ -123,8 +123,7 @@ def backward(grad_out, q, k, v, out, lse, descales, scales, seq_len_q, seq_len_k
     grad_out, q, k, v, out, lse = _operands(found, (grad_out, q, k, v, out, lse))
     results, targets = bd.outputs(found, (torch.float8_e4m3fn,) * 3, q.device)
     amax = _amax_buffers(4, q.device)
-    scale_each = [s.reshape(1, 1, 1, 1).contiguous() for s in scales.float().unbind()]
-    scale_each = [torch.empty_like(s).copy_(s) for s in scale_each]  # own, aligned allocations
+    scale_each = [_factor(s) for s in scales.float().unbind()]  # small_operand copies the misaligned ones
     descale_dp = torch.reciprocal(scale_each[3])
     factors = tuple(_factor(t) for t in descales) + (_constant(1.0 / scale_s, q.device), descale_dp,
                                                      _constant(scale_s, q.device)) + tuple(scale_each)

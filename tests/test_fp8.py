@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cudnn_sdpa_provider as csp
 from cudnn_sdpa_provider import counters, fp8_ops, support  # fp8_ops registers cudnn_sdpa::fp8_fwd / fp8_bwd
 from cudnn_sdpa_provider.support import Capabilities
-from tests.util import rel_error
+from tests.util import region, rel_error
 
 fp8 = csp.fp8
 OPS = torch.ops.cudnn_sdpa
@@ -76,14 +76,6 @@ def pow2_below(x: float) -> float:
     """The largest power of 2 <= x (test-side, independent of the package's pow2_scale)."""
     return 2.0 ** math.floor(math.log2(x))
 
-
-def region(fn):
-    """fn()'s result and the counters it moved: {path: fallback reasons} (served must stay 0 on CPU)."""
-    before = counters.stats()
-    result = fn()
-    delta = (counters.stats() - before).to_dict()
-    assert all(e["served"] == 0 for e in delta.values()), delta
-    return result, {p: e["fallback"] for p, e in delta.items() if e["fallback"]}
 
 
 # ------------------------------------------------------------------------------------ quantize

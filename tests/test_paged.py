@@ -17,7 +17,7 @@ import cudnn_sdpa_provider as csp
 from cudnn_sdpa_provider import counters, layout, paged_ops, support  # paged_ops defines cudnn_sdpa::paged_fwd
 from cudnn_sdpa_provider.support import Capabilities, Problem
 from tests.paged_support import make_paged, paged_reference
-from tests.util import TOL, assert_rel_close, opcheck
+from tests.util import TOL, assert_rel_close, opcheck, region
 
 OPS = torch.ops.cudnn_sdpa
 
@@ -25,14 +25,6 @@ OPS = torch.ops.cudnn_sdpa
 def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
-
-def region(fn):
-    """fn()'s result and the counters it moved: {path: fallback reasons} (served must stay 0 on CPU)."""
-    before = counters.stats()
-    result = fn()
-    delta = (counters.stats() - before).to_dict()
-    assert all(e["served"] == 0 for e in delta.values()), delta
-    return result, {p: e["fallback"] for p, e in delta.items() if e["fallback"]}
 
 
 NOTHING = {p: {"served": 0, "fallback": {}} for p in csp.PATHS}

@@ -98,3 +98,14 @@ def opcheck(op, args) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
         torch.library.opcheck(op, args)
+
+
+def region(fn):
+    """fn()'s result and the counters it moved: {path: fallback reasons} (served must stay 0 on CPU)."""
+    from cudnn_sdpa_provider import counters
+
+    before = counters.stats()
+    result = fn()
+    delta = (counters.stats() - before).to_dict()
+    assert all(e["served"] == 0 for e in delta.values()), delta
+    return result, {p: e["fallback"] for p, e in delta.items() if e["fallback"]}
