@@ -36,4 +36,4 @@ def demo(session):
 def docs(session):
     session.install(f"torch=={TORCH[0]}", FRONTEND)
     session.install(".")
-    session.run("python", "-m", "cudnn_sdpa_provider.docgen", "--write")
+    session.run("python", "-m", "cudnn_sdpa_provider.tools.docgen", "--write")

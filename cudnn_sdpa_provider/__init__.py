@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from .errors import FallbackError, NotSupportedError
-from .reasons import PATHS, Reason
+from .core.errors import FallbackError, NotSupportedError
+from .core.reasons import PATHS, Reason
 
 __version__ = "0.1.0"
 
@@ -39,12 +39,12 @@ __all__ = [
 ]
 
 _LAZY = {
-    "enable": ("activation", "enable"),
-    "disable": ("activation", "disable"),
-    "enabled": ("activation", "enabled"),
-    "stats": ("counters", "stats"),
-    "reset_stats": ("counters", "reset_stats"),
-    "Stats": ("counters", "Stats"),
+    "enable": ("hooks.activation", "enable"),
+    "disable": ("hooks.activation", "disable"),
+    "enabled": ("hooks.activation", "enabled"),
+    "stats": ("core.counters", "stats"),
+    "reset_stats": ("core.counters", "reset_stats"),
+    "Stats": ("core.counters", "Stats"),
     "report": ("diagnostics", "report"),
     "explain": ("diagnostics", "explain"),
     "attention": ("functional", "attention"),

@@ -12,8 +12,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import activation, arguments, counters, machine, route, support
-from .reasons import Reason
+from .hooks import activation
+from .core import arguments, counters, support
+from .engine import machine
+from .ops import route
+from .core.reasons import Reason
 
 __all__ = ["report", "explain", "DoctorRow", "feature_rows", "self_test"]
 
@@ -134,7 +137,7 @@ def feature_rows(caps: support.Capabilities | None = None) -> list[DoctorRow]:
 
 def self_test(device: int | None = None) -> list[DoctorRow]:
     """A few configurations forward+backward on the GPU against an fp32 reference."""
-    from . import reference
+    from .ops import reference
     from .functional import attention
 
     configs = (

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import arguments, scope
-from .fp8_reference import FORMAT_MAX, pow2_scale
+from .core import arguments, scope
+from .ops.fp8_reference import FORMAT_MAX, pow2_scale
 
 __all__ = ["E4M3", "E5M2", "DEFAULT_SCALE_S", "quantize", "Forward", "Backward", "forward", "backward", "Recipe",
            "attention"]
@@ -46,7 +46,7 @@ O_HEADROOM = 0.875
 
 
 def _kernels(q):
-    from . import fp8_ops  # registers the ops on first use
+    from .ops import fp8_ops  # registers the ops on first use
 
     return fp8_ops.kernels(q)
 
@@ -233,7 +233,7 @@ class Recipe:
             raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
         self.grad_dtype = grad_dtype
         self._states: dict = {}
-        from . import fp8_ops
+        from .ops import fp8_ops
 
         self.id = fp8_ops.register(self)  # how the backward kernel finds this recipe's state
 

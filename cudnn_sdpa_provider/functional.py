@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import arguments, composite, ops, paged_ops, route, rows, scope, support  # noqa: F401  (cudnn_sdpa::*)
+from .core import arguments, rows, scope, support
+from .ops import composite, dense_varlen as ops, paged_ops, route  # noqa: F401  (cudnn_sdpa::*)
 
 __all__ = ["attention"]
 

@@ -2,7 +2,7 @@
 
     python examples/train_loop.py [--steps 3] [--device cpu|cuda]     (from a checkout: PYTHONPATH=.)
 
-Trains the package's small GQA transformer (``cudnn_sdpa_provider.demo.TinyGQA``: causal
+Trains the package's small GQA transformer (``cudnn_sdpa_provider.tools.demo.TinyGQA``: causal
 attention through ``F.scaled_dot_product_attention``) for a few steps. On a CUDA machine with
 cuDNN every attention forward and backward is served by a cuDNN graph; on a CPU-only machine every
 call falls back to PyTorch's kernel with reason ``no_cuda``, and the report says so.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider.demo import TinyGQA
+from cudnn_sdpa_provider.tools.demo import TinyGQA
 
 
 def train(steps: int, device: torch.device, batch: int = 2, seq: int = 64) -> list[float]:

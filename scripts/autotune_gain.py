@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import counters, env, graphs  # noqa: E402
-from cudnn_sdpa_provider.bench import cases, inputs, measure, paths  # noqa: E402
+from cudnn_sdpa_provider.core import counters, env
+from cudnn_sdpa_provider.engine import graphs  # noqa: E402
+from cudnn_sdpa_provider.tools.bench import cases, inputs, measure, paths  # noqa: E402
 
 DEFAULT = "gqa_b1_h32kv8_s16384_d128_causal,b4_h16_s4096_d128_causal,b16_h16_s1024_d64_causal,varlen_n16_h16_d128_causal"
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import fp8_reference  # noqa: E402
-from cudnn_sdpa_provider.tuning import cuda_timer  # noqa: E402
+from cudnn_sdpa_provider.ops import fp8_reference  # noqa: E402
+from cudnn_sdpa_provider.engine.tuning import cuda_timer  # noqa: E402
 
 
 def bare_forward(q8, k8, v8, descales, scale_o, causal, handle):

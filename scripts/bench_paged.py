@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import counters  # noqa: E402
-from cudnn_sdpa_provider.tuning import cuda_timer  # noqa: E402  (median ms by CUDA events)
+from cudnn_sdpa_provider.core import counters  # noqa: E402
+from cudnn_sdpa_provider.engine.tuning import cuda_timer  # noqa: E402  (median ms by CUDA events)
 
 
 def _case(b, ctx, h_q, h_k, d, block_size, gen):

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cudnn_sdpa_provider import cli  # noqa: E402
+from cudnn_sdpa_provider.tools import cli  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import tests.gpu.test_reliability as T
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import reference, rows
+from cudnn_sdpa_provider.ops import reference
+from cudnn_sdpa_provider.core import rows
 
 cfg = dict(dtype=torch.bfloat16, b=2, h_k=1, group=1, v_heads_same=False, s_q=64, s_kv=17, dims=(128, 128),
            mask="band", sinks=True, padded="yes", order="bhsd", odd="slice", seed=683)

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from cudnn_sdpa_provider.tuning import cuda_timer  # noqa: E402  (median ms by CUDA events)
+from cudnn_sdpa_provider.engine.tuning import cuda_timer  # noqa: E402  (median ms by CUDA events)
 
 E4M3_MAX = 448.0
 UIDS = dict(q=1, k=2, v=3, o=4, stats=5, amax_s=6, amax_o=7, descale_q=8, descale_k=9, descale_v=10,

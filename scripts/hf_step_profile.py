@@ -2,7 +2,7 @@
 
     python3 scripts/hf_step_profile.py [--case hf_llama_l4_d2048_b4_s2048_padded] [--steps 5] [--repeats 10]
 
-The bench's ``hf_llama`` case (``cudnn_sdpa_provider.bench``: a LlamaForCausalLM from a LlamaConfig,
+The bench's ``hf_llama`` case (``cudnn_sdpa_provider.tools.bench``: a LlamaForCausalLM from a LlamaConfig,
 random weights, one right-padded batch), one training step (forward, loss, backward) per call, for
 two paths in one process: ``native`` (attn_implementation="sdpa", PyTorch's own choice of kernel
 for the padding mask) and ``provider_hf`` (attn_implementation="cudnn", the padding as lengths).
@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from cudnn_sdpa_provider.bench import cases, inputs, paths  # noqa: E402
-from cudnn_sdpa_provider.bench.report import Measurement  # noqa: E402
-from cudnn_sdpa_provider.tuning import cuda_timer  # noqa: E402
+from cudnn_sdpa_provider.tools.bench import cases, inputs, paths  # noqa: E402
+from cudnn_sdpa_provider.tools.bench.report import Measurement  # noqa: E402
+from cudnn_sdpa_provider.engine.tuning import cuda_timer  # noqa: E402
 
 ATTENTION = ("sdpa", "fmha", "flash", "attention")
 

@@ -76,7 +76,8 @@ def breakdown(fn, calls: int) -> dict:
                 spent[name] += perf_counter() - t0
         return wrapper
 
-    from cudnn_sdpa_provider import graphs, overrides
+    from cudnn_sdpa_provider.engine import graphs
+    from cudnn_sdpa_provider.hooks import overrides
 
     saved = [(overrides._Dense, "forward"), (overrides._Dense, "backward"), (graphs, "execute")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
@@ -208,7 +209,8 @@ def main() -> None:
         for name, fn in (("forward", sdpa), ("forward+backward", sdpa_bwd)) if args.cprofile else ():
             cprofile(f"provider F.sdpa {name} x {args.cprofile}", fn, args.cprofile, 40, csp.enable)
         return
-    from cudnn_sdpa_provider import dense, graphs, ops, route  # internals: the current package's layout
+    from cudnn_sdpa_provider.engine import dense, graphs
+    from cudnn_sdpa_provider.ops import dense_varlen as ops, route  # internals: the current package's layout
 
     def engine_fwd():
         return dense.forward(q, k, v, scale=scale, window=(-1, 0))

@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import counters  # noqa: E402
-from cudnn_sdpa_provider.bench import MATRIX  # noqa: E402
-from cudnn_sdpa_provider.bench.measure import event_times  # noqa: E402
+from cudnn_sdpa_provider.core import counters  # noqa: E402
+from cudnn_sdpa_provider.tools.bench import MATRIX  # noqa: E402
+from cudnn_sdpa_provider.tools.bench.measure import event_times  # noqa: E402
 
 DTYPE = torch.bfloat16
 

@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider.demo import TinyGQA  # noqa: E402
+from cudnn_sdpa_provider.tools.demo import TinyGQA  # noqa: E402
 
 LOSS_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 GRAD_TOL = {torch.bfloat16: 5e-2, torch.float32: 1e-4}

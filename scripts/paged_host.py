@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import paged, rows  # noqa: E402
+from cudnn_sdpa_provider.engine import paged
+from cudnn_sdpa_provider.core import rows  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:

@@ -26,8 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider import graphs, tuning  # noqa: E402
-from cudnn_sdpa_provider.bench import MATRIX  # noqa: E402
+from cudnn_sdpa_provider.engine import graphs, tuning  # noqa: E402
+from cudnn_sdpa_provider.tools.bench import MATRIX  # noqa: E402
 
 DEFAULT_CASES = ("varlen_n16_h16_d128_causal", "b4_h16_s4096_d128", "b4_h16_s4096_d128_causal",
                  "gqa_b1_h32kv8_s16384_d128_causal")

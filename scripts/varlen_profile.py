@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
 from bench_peer import nvidia_cudnn_torch  # noqa: E402  (the peer's overrides, as scripts/bench_peer.py installs them)
-from cudnn_sdpa_provider.bench import MATRIX  # noqa: E402
+from cudnn_sdpa_provider.tools.bench import MATRIX  # noqa: E402
 
 
 PATHS = {"provider": csp.enable, "native_flash": contextlib.nullcontext, "nvidia_cudnn_torch": nvidia_cudnn_torch}

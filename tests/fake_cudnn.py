@@ -15,8 +15,10 @@ import dataclasses
 
 import torch
 
-from cudnn_sdpa_provider import graphs, machine, reference, support
-from cudnn_sdpa_provider.graphs import UID, BwdKey
+from cudnn_sdpa_provider.engine import graphs, machine
+from cudnn_sdpa_provider.ops import reference
+from cudnn_sdpa_provider.core import support
+from cudnn_sdpa_provider.engine.graphs import UID, BwdKey
 
 HOPPER = support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, frontend_version="1.32.0",
                               device_name="fake H200")

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from cudnn_sdpa_provider import reasons
+from cudnn_sdpa_provider.core import reasons
 from tests import layouts
 from tests.util import rel_error
 

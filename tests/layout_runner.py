@@ -42,8 +42,9 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, reasons, reference
-from cudnn_sdpa_provider import layout as csp_layout
+from cudnn_sdpa_provider.core import counters, reasons
+from cudnn_sdpa_provider.ops import reference
+from cudnn_sdpa_provider.core import layout as csp_layout
 from tests import layouts
 from tests.layout_checks import check_accuracy, check_counts, check_dropout, check_strides, outcome
 from tests.util import poison_allocator

@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from cudnn_sdpa_provider import counters
+from cudnn_sdpa_provider.core import counters
 from tests.layout_checks import FLOOR
 from tests.util import rel_error
 
@@ -104,15 +104,15 @@ def run(call, inputs, go) -> dict:
 
 
 def dense_ref(q, k, v, go, **kw) -> dict:
-    """fp32 reference (cudnn_sdpa_provider.reference, differentiated by autograd)."""
-    from cudnn_sdpa_provider import reference
+    """fp32 reference (cudnn_sdpa_provider.ops.reference, differentiated by autograd)."""
+    from cudnn_sdpa_provider.ops import reference
 
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     return run(lambda: reference.dense(*leaves, scale=1 / math.sqrt(q.shape[-1]), **kw)[0], leaves, go.float())
 
 
 def varlen_ref(q, k, v, go, cu, max_len: int, **kw) -> dict:
-    from cudnn_sdpa_provider import reference
+    from cudnn_sdpa_provider.ops import reference
 
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     return run(lambda: reference.varlen(*leaves, cu, cu, max_len, max_len, scale=1 / math.sqrt(q.shape[-1]),

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import activation, counters
+from cudnn_sdpa_provider.hooks import activation
+from cudnn_sdpa_provider.core import counters
 
 CUDNN = int(SDPBackend.CUDNN_ATTENTION)
 FLASH_CPU_OP = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -370,7 +371,7 @@ def test_a_removal_inside_a_users_priority_context_keeps_their_order():
 
 
 def test_enable_that_fails_leaves_nothing_applied(monkeypatch):
-    from cudnn_sdpa_provider import backends
+    from cudnn_sdpa_provider.hooks import backends
 
     before = sdp_state()
 

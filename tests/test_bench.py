@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from cudnn_sdpa_provider import bench, cli
-from cudnn_sdpa_provider.bench import Case, Measurement, Row
+from cudnn_sdpa_provider.tools import bench, cli
+from cudnn_sdpa_provider.tools.bench import Case, Measurement, Row
 
 DOCUMENTED_DENSE = {(4, 16, 4096, 128), (16, 16, 1024, 64), (2, 16, 8192, 128)}
 HF_CASE, HF_TINY = "hf_llama_l4_d2048_b4_s2048_padded", "hf_llama_l2_d256_b2_s256_padded"
@@ -384,11 +384,17 @@ def test_no_bench_module_prints():
             assert needle not in text, (path.name, needle)
 
 
-def test_pyproject_installs_the_bench_package():
+def test_pyproject_installs_every_subpackage():
     import pathlib
 
-    text = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
-    assert '"cudnn_sdpa_provider.bench"' in text
+    from setuptools import find_packages
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    text = (repo / "pyproject.toml").read_text()
+    assert 'include = ["cudnn_sdpa_provider", "cudnn_sdpa_provider.*"]' in text
+    found = set(find_packages(str(repo), include=["cudnn_sdpa_provider", "cudnn_sdpa_provider.*"]))
+    folders = {".".join(p.parent.relative_to(repo).parts) for p in (repo / "cudnn_sdpa_provider").rglob("__init__.py")}
+    assert "cudnn_sdpa_provider.tools.bench" in found and found == folders, (found, folders)
 
 
 def test_a_path_that_raises_is_recorded_and_logged_not_printed(caplog, capsys):

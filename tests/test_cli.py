@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import cli, counters
-from cudnn_sdpa_provider.reasons import PATHS
+from cudnn_sdpa_provider.tools import cli
+from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider.core.reasons import PATHS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -114,7 +115,7 @@ def test_usage_errors(argv, capsys):
 def test_version_names_the_three_versions_without_importing_torch():
     from importlib.metadata import version
 
-    code = ("import sys; from cudnn_sdpa_provider import cli\n"
+    code = ("import sys; from cudnn_sdpa_provider.tools import cli\n"
             "try:\n    cli.main(['--version'])\nfinally:\n    print('torch imported:', 'torch' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -126,7 +127,7 @@ def test_version_names_the_three_versions_without_importing_torch():
 
 
 def test_help_and_python_dash_m_never_import_torch():
-    code = ("import sys; from cudnn_sdpa_provider import cli; cli.main(['--help']); "
+    code = ("import sys; from cudnn_sdpa_provider.tools import cli; cli.main(['--help']); "
             "print('torch imported:', 'torch' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="100")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -233,7 +234,7 @@ def test_demo_json_on_cpu(capsys):
 
 
 def test_demo_loss_falls_and_is_deterministic_on_cpu():
-    from cudnn_sdpa_provider.demo import run_demo
+    from cudnn_sdpa_provider.tools.demo import run_demo
 
     state = torch.random.get_rng_state()
     first, second = (run_demo(device="cpu")["losses"] for _ in range(2))
@@ -315,7 +316,7 @@ def test_doctor_self_test_without_cuda_says_skipped(capsys):
 
 
 def test_doctor_coexistence_row_when_nothing_is_found(capsys, monkeypatch):
-    from cudnn_sdpa_provider import activation
+    from cudnn_sdpa_provider.hooks import activation
 
     monkeypatch.setattr(activation, "coexistence", lambda: [])
     rows = doctor_json(capsys)
@@ -324,7 +325,7 @@ def test_doctor_coexistence_row_when_nothing_is_found(capsys, monkeypatch):
 
 
 def test_doctor_says_when_the_startup_hook_is_missing(capsys, monkeypatch):
-    from cudnn_sdpa_provider import doctor
+    from cudnn_sdpa_provider.tools import doctor
 
     monkeypatch.setattr(doctor, "startup_hook_path", lambda: None)
     (row,) = [r for r in doctor_json(capsys) if r["section"] == "startup"]

@@ -10,8 +10,8 @@ from types import MappingProxyType
 import pytest
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters
-from cudnn_sdpa_provider.reasons import PATHS
+from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider.core.reasons import PATHS
 
 EMPTY = {p: {"served": 0, "fallback": {}} for p in PATHS}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cudnn_sdpa_provider import dense, packed
+from cudnn_sdpa_provider.engine import dense, packed
 
 
 def test_equal_lengths_make_bottom_right_top_left():
@@ -37,7 +37,7 @@ def test_token_bucket_is_a_close_upper_bound():
 
 
 def _caps(cc):
-    from cudnn_sdpa_provider import support
+    from cudnn_sdpa_provider.core import support
 
     return support.Capabilities(cuda=True, device_name="test", compute_capability=cc, cudnn_version=91900)
 
@@ -53,7 +53,7 @@ def test_max_total_sizes_the_accumulator_by_tokens_on_hopper_only():
 
 
 def test_padded_lse_places_each_token_at_its_sequence_and_position():
-    from cudnn_sdpa_provider import rows
+    from cudnn_sdpa_provider.core import rows
 
     starts = torch.tensor([0, 3, 3], dtype=torch.int32)  # lengths 3, 0, 4; tokens 7 and 8 are past the end
     lengths = torch.tensor([3, 0, 4], dtype=torch.int32)
@@ -77,7 +77,7 @@ def test_padded_lse_only_while_the_nominal_batch_is_near_the_tokens():
 
 
 def test_fill_writes_zero_or_nan_whether_or_not_the_buffer_can_be_seen_as_words():
-    from cudnn_sdpa_provider import rows
+    from cudnn_sdpa_provider.core import rows
 
     for bad in (False, True):
         flag = torch.tensor(bad)

@@ -7,15 +7,16 @@ import pathlib
 import subprocess
 import sys
 
-from cudnn_sdpa_provider import docgen, support
-from cudnn_sdpa_provider.reasons import CATALOG, PATHS
+from cudnn_sdpa_provider.tools import docgen
+from cudnn_sdpa_provider.core import support
+from cudnn_sdpa_provider.core.reasons import CATALOG, PATHS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_generated_docs_are_current():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-m", "cudnn_sdpa_provider.docgen", "--check"], cwd=REPO, env=env,
+    result = subprocess.run([sys.executable, "-m", "cudnn_sdpa_provider.tools.docgen", "--check"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"stale generated docs:\n{result.stderr}{result.stdout}"
 
@@ -76,7 +77,7 @@ def test_every_slug_is_emitted_by_the_code_and_where_the_docs_say():
 def test_documented_meta_keys_match_the_report():
     import torch
 
-    from cudnn_sdpa_provider import telemetry
+    from cudnn_sdpa_provider.hooks import telemetry
 
     meta = telemetry.report_data()["meta"]
     expected = set(docgen.META_KEYS) | (set(docgen.META_CUDA_KEYS) if torch.cuda.is_available() else set())

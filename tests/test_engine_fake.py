@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudnn_sdpa_provider import dense, graphs, layout, packed, reference
-from cudnn_sdpa_provider.graphs import UID
+from cudnn_sdpa_provider.engine import dense, graphs, packed
+from cudnn_sdpa_provider.core import layout
+from cudnn_sdpa_provider.ops import reference
+from cudnn_sdpa_provider.engine.graphs import UID
 from tests import fake_cudnn
 from tests.util import assert_rel_close
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_sdpa_provider import env
+from cudnn_sdpa_provider.core import env
 
 ACTIVATION_VALID = ["1", "on", "true", "yes", "strict", "0", "off", "false", "no", "", " On ", "STRICT", "TRUE"]
 

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from cudnn_sdpa_provider.reasons import PATHS
+from cudnn_sdpa_provider.core.reasons import PATHS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, fp8_ops, support  # fp8_ops registers cudnn_sdpa::fp8_fwd / fp8_bwd
-from cudnn_sdpa_provider.support import Capabilities
+from cudnn_sdpa_provider.core import counters, support
+from cudnn_sdpa_provider.ops import fp8_ops  # fp8_ops registers cudnn_sdpa::fp8_fwd / fp8_bwd
+from cudnn_sdpa_provider.core.support import Capabilities
 from tests.util import region, rel_error
 
 fp8 = csp.fp8

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, functional, reference
+from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider import functional
+from cudnn_sdpa_provider.ops import reference
 from tests.util import assert_rel_close
 
 TOL = 1e-5  # float32 inputs against a float64 reference
@@ -408,7 +410,7 @@ class _Subclass(torch.Tensor):
 
 def _both_paths(monkeypatch, fn):
     """``fn()`` through the eager Functions, then again with ``ops.eager`` forced off."""
-    from cudnn_sdpa_provider import ops
+    from cudnn_sdpa_provider.ops import dense_varlen as ops
 
     eager = fn()
     monkeypatch.setattr(ops, "eager", lambda *tensors: False)
@@ -466,7 +468,7 @@ def test_eager_functions_equal_the_custom_ops_varlen(monkeypatch):
 def test_eager_only_for_plain_tensors_outside_tracing():
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cudnn_sdpa_provider import ops
+    from cudnn_sdpa_provider.ops import dense_varlen as ops
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -485,7 +487,7 @@ def test_eager_only_for_plain_tensors_outside_tracing():
 
 @pytest.mark.parametrize("custom_op", [False, True], ids=["eager", "custom_op"])
 def test_lse_carries_no_gradient(monkeypatch, custom_op):
-    from cudnn_sdpa_provider import ops
+    from cudnn_sdpa_provider.ops import dense_varlen as ops
 
     if custom_op:
         monkeypatch.setattr(ops, "eager", lambda *tensors: False)

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from cudnn_sdpa_provider import graphs
-from cudnn_sdpa_provider.graphs import UID
+from cudnn_sdpa_provider.engine import graphs
+from cudnn_sdpa_provider.engine.graphs import UID
 
 
 class FakeGraph:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, reference
+from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider.ops import reference
 from cudnn_sdpa_provider.integrations import transformers as csp_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,9 @@ import math
 import pytest
 import torch
 
-from cudnn_sdpa_provider import counters, reference
-from cudnn_sdpa_provider import layout as csp_layout
+from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider.ops import reference
+from cudnn_sdpa_provider.core import layout as csp_layout
 from tests import layout_checks, layout_runner, layouts
 from tests.layout_batches import Batches, run_batch
 

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from cudnn_sdpa_provider import markers
+from cudnn_sdpa_provider.core import markers
 
 SERVED = markers.Record(served=True)
 FELL_BACK = markers.Record(served=False, reason="no_cuda")

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cudnn_sdpa_provider import counters, layout, ops, reference  # noqa: F401  (ops defines cudnn_sdpa::*)
-from cudnn_sdpa_provider.errors import FallbackError
+from cudnn_sdpa_provider.core import counters, layout
+from cudnn_sdpa_provider.ops import dense_varlen as ops, reference  # noqa: F401  (ops defines cudnn_sdpa::*)
+from cudnn_sdpa_provider.core.errors import FallbackError
 from tests.util import assert_rel_close, make_dense, opcheck
 
 OPS = torch.ops.cudnn_sdpa

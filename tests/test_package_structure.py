@@ -1,5 +1,6 @@
-"""CPU tier: the shape of the package: no import circles (module-level or inside functions), no
-module over ~500 lines, one owner for each external thing (cudnn, os.environ)."""
+"""CPU tier: the shape of the package: the layers (each subpackage imports only from the layers
+below it, so the tree and the imports cannot drift apart), no import circles (module-level or inside
+functions), no module over ~500 lines, one owner for each external thing (cudnn, os.environ)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ def test_only_graphs_imports_cudnn_and_only_env_reads_the_environment():
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
         if "cudnn" in imported:
-            assert name == "cudnn_sdpa_provider.graphs", f"{name} imports cudnn"
+            assert name == "cudnn_sdpa_provider.engine.graphs", f"{name} imports cudnn"
         reads_env = any(isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv") for n in ast.walk(tree))
         if reads_env:
-            assert name in ("cudnn_sdpa_provider.env", "cudnn_sdpa_provider._startup", "cudnn_sdpa_provider.cli"), \
+            assert name in ("cudnn_sdpa_provider.core.env", "cudnn_sdpa_provider.hooks.startup", "cudnn_sdpa_provider.tools.cli"), \
                 f"{name} reads os.environ"

@@ -14,8 +14,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, layout, paged_ops, support  # paged_ops defines cudnn_sdpa::paged_fwd
-from cudnn_sdpa_provider.support import Capabilities, Problem
+from cudnn_sdpa_provider.core import counters, layout, support
+from cudnn_sdpa_provider.ops import paged_ops  # paged_ops defines cudnn_sdpa::paged_fwd
+from cudnn_sdpa_provider.core.support import Capabilities, Problem
 from tests.paged_support import make_paged, paged_reference
 from tests.util import TOL, assert_rel_close, opcheck, region
 
@@ -697,7 +698,7 @@ def test_problem_from_tensors():
 
 
 def test_paged_slugs_are_cataloged():
-    from cudnn_sdpa_provider.reasons import CATALOG, PATHS, Slug
+    from cudnn_sdpa_provider.core.reasons import CATALOG, PATHS, Slug
 
     assert "paged_fwd" in PATHS
     for slug in ("paged_block_size", "paged_backward"):
@@ -712,7 +713,8 @@ def cuda_like(monkeypatch):
     """CPU float32 tensors decided as if on a CUDA machine (the no_cuda and dtype rules left out),
     executed by tests/fake_cudnn.py's graph, which reads the caches through the table as declared
     and fails the call if a used entry is outside the cache."""
-    from cudnn_sdpa_provider import graphs, route
+    from cudnn_sdpa_provider.engine import graphs
+    from cudnn_sdpa_provider.ops import route
     from tests import fake_cudnn
 
     built = fake_cudnn.install(monkeypatch)
@@ -878,7 +880,7 @@ class _Native:
 
 
 def _varlen_has_block_table() -> bool:
-    from cudnn_sdpa_provider import overrides
+    from cudnn_sdpa_provider.hooks import overrides
 
     ops = overrides._varlen_ops()
     return bool(ops) and any(a.name == "block_table" for a in ops["_varlen_attn"]._schema.arguments)
@@ -886,7 +888,8 @@ def _varlen_has_block_table() -> bool:
 
 @pytest.mark.skipif(not _varlen_has_block_table(), reason="this torch's varlen_attn has no block_table (torch < 2.12)")
 def test_varlen_attn_with_a_paged_cache_is_served_on_the_paged_graph(cuda_like):
-    from cudnn_sdpa_provider import markers, overrides
+    from cudnn_sdpa_provider.core import markers
+    from cudnn_sdpa_provider.hooks import overrides
 
     lens_q = (5, 0, 3, 1)
     q, case, cu = packed_case(lens_q, seed=54)

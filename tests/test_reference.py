@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudnn_sdpa_provider import reference
+from cudnn_sdpa_provider.ops import reference
 from tests.util import assert_rel_close
 
 F64 = dict(compute_dtype=torch.float64)

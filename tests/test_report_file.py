@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from cudnn_sdpa_provider import telemetry
-from cudnn_sdpa_provider.reasons import PATHS
+from cudnn_sdpa_provider.hooks import telemetry
+from cudnn_sdpa_provider.core.reasons import PATHS
 
 
 def test_write_report_writes_the_json(tmp_path):

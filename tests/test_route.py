@@ -12,7 +12,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, graphs, layout, markers, overrides, reference, route, support
+from cudnn_sdpa_provider.core import counters, layout, markers, support
+from cudnn_sdpa_provider.engine import graphs
+from cudnn_sdpa_provider.hooks import overrides
+from cudnn_sdpa_provider.ops import reference, route
 from tests import fake_cudnn
 from tests.util import assert_rel_close
 

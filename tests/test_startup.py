@@ -1,4 +1,4 @@
-"""CPU tier: the environment-variable opt-in (``cudnn_sdpa_provider_startup.pth`` + ``_startup``),
+"""CPU tier: the environment-variable opt-in (``cudnn_sdpa_provider_startup.pth`` + ``hooks.startup``),
 each case in a fresh interpreter running an UNMODIFIED script.
 
 ``site.addsitedir`` on a directory holding a copy of the .pth processes it exactly as site-packages
@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from cudnn_sdpa_provider.reasons import PATHS
+from cudnn_sdpa_provider.core.reasons import PATHS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PTH = REPO / "cudnn_sdpa_provider_startup.pth"
@@ -29,10 +29,10 @@ VALID_VALUES = ("1 (enable)", "strict (enable, raise on fallback)", "0 (off)")
 SCRIPT = textwrap.dedent(
     """
     import sys
-    print("before torch:", "torch" in sys.modules, "cudnn_sdpa_provider.activation" in sys.modules)
+    print("before torch:", "torch" in sys.modules, "cudnn_sdpa_provider.hooks.activation" in sys.modules)
     import torch
     import torch.nn.functional as F
-    print("after torch:", "cudnn_sdpa_provider.activation" in sys.modules)
+    print("after torch:", "cudnn_sdpa_provider.hooks.activation" in sys.modules)
     q = torch.randn(2, 2, 16, 8, requires_grad=True)
     for _ in range(2):
         F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
@@ -144,7 +144,7 @@ ORDERS = {
     "package_first_enable_before_torch": ("import cudnn_sdpa_provider as csp\ncsp.enable()\n", 2),
     "package_first_then_torch": ("import cudnn_sdpa_provider as csp\nimport torch\n", 1),
     "functional_api_before_torch": ("from cudnn_sdpa_provider import attention\n", 1),
-    "demo_module_before_torch": ("import cudnn_sdpa_provider.demo\n", 1),
+    "demo_module_before_torch": ("import cudnn_sdpa_provider.tools.demo\n", 1),
     "report_before_torch": ("import cudnn_sdpa_provider as csp\nprint(csp.report().splitlines()[0])\n", 1),
 }
 
@@ -153,7 +153,8 @@ ORDER_TAIL = textwrap.dedent(
     import sys
     import torch
     import torch.nn.functional as F
-    from cudnn_sdpa_provider import _startup, scope
+    from cudnn_sdpa_provider.hooks import startup as _startup
+    from cudnn_sdpa_provider.core import scope
     q = torch.randn(2, 2, 16, 8, requires_grad=True)
     for _ in range(2):
         F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
@@ -191,7 +192,7 @@ def test_cli_run_under_the_variable_enables_for_each_and_writes_both_reports(tmp
     script.write_text(ORDER_TAIL)
     env_report, run_report = tmp_path / "env.json", tmp_path / "run.json"
     runner = ("import site, sys; site.addsitedir(sys.argv[1]); sys.argv = ['cudnn-sdpa'] + sys.argv[2:]; "
-              "from cudnn_sdpa_provider.cli import entry; entry()")
+              "from cudnn_sdpa_provider.tools.cli import entry; entry()")
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     shutil.copy(PTH, site_dir / PTH.name)
@@ -242,7 +243,7 @@ def test_installed_pth_plain_python_run(tmp_path):
 
 
 def test_run_is_idempotent_in_process(monkeypatch):
-    from cudnn_sdpa_provider import _startup
+    from cudnn_sdpa_provider.hooks import startup as _startup
 
     monkeypatch.setattr(_startup, "_done", True)
     monkeypatch.setenv("CUDNN_SDPA_PROVIDER", "maybe")

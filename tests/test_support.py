@@ -10,9 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudnn_sdpa_provider import machine, support
-from cudnn_sdpa_provider.reasons import CATALOG, Slug
-from cudnn_sdpa_provider.support import Capabilities, Problem
+from cudnn_sdpa_provider.engine import machine
+from cudnn_sdpa_provider.core import support
+from cudnn_sdpa_provider.core.reasons import CATALOG, Slug
+from cudnn_sdpa_provider.core.support import Capabilities, Problem
 
 #: A machine that serves everything the baseline problem asks: H200-like, cuDNN 9.19.
 HOPPER = Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, frontend_version="1.28.0")

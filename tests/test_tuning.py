@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from cudnn_sdpa_provider import env, graphs, tuning
+from cudnn_sdpa_provider.core import env
+from cudnn_sdpa_provider.engine import graphs, tuning
 
 
 class PlansGraph:

@@ -102,7 +102,7 @@ def opcheck(op, args) -> None:
 
 def region(fn):
     """fn()'s result and the counters it moved: {path: fallback reasons} (served must stay 0 on CPU)."""
-    from cudnn_sdpa_provider import counters
+    from cudnn_sdpa_provider.core import counters
 
     before = counters.stats()
     result = fn()

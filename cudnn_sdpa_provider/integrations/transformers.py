@@ -300,7 +300,7 @@ def build_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
 
 
 def _unserved(materialize, detail: str) -> torch.Tensor:
-    from .. import counters
+    from ..core import counters
 
     counters.log_once(("transformers", "mask", detail), logging.INFO,
                       "transformers integration: attention with %s falls back (attn_bias)", detail)
@@ -381,7 +381,8 @@ def _additive(mask, query, key, module, is_causal):
 
 
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, reason):
-    from .. import activation, route
+    from ..hooks import activation
+    from ..ops import route
 
     slug, detail = reason
     mask = attention_mask.to_bool(query.device) if isinstance(attention_mask, CudnnMask) else attention_mask

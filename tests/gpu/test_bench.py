@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_sdpa_provider import bench
+from cudnn_sdpa_provider.tools import bench
 
 pytestmark = pytest.mark.gpu
 

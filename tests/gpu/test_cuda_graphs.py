@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters
-from cudnn_sdpa_provider.demo import TinyGQA
+from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider.tools.demo import TinyGQA
 from tests.util import TOL, assert_rel_close, no_host_syncs
 
 pytestmark = pytest.mark.gpu

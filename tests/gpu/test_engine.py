@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, dense, graphs, layout, machine, reference
-from cudnn_sdpa_provider.errors import NotSupportedError
+from cudnn_sdpa_provider.core import counters, layout
+from cudnn_sdpa_provider.engine import dense, graphs, machine
+from cudnn_sdpa_provider.ops import reference
+from cudnn_sdpa_provider.core.errors import NotSupportedError
 from tests.util import TOL, assert_rel_close, grad_tol, make_dense, poison_allocator
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import bench, counters, dense, reference, rows
+from cudnn_sdpa_provider.tools import bench
+from cudnn_sdpa_provider.core import counters, rows
+from cudnn_sdpa_provider.engine import dense
+from cudnn_sdpa_provider.ops import reference
 from tests.util import TOL, assert_rel_close, grad_tol, make_dense
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, fp8_reference
+from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider.ops import fp8_reference
 from tests.util import poison_allocator
 
 pytestmark = pytest.mark.gpu

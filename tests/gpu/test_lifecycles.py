@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, reasons
+from cudnn_sdpa_provider.core import counters, reasons
 from tests import layouts
 from tests.layout_batches import run_batch
 from tests.lifecycle_support import noise_tol, parse, rule_problems
@@ -603,7 +603,7 @@ def test_threads_with_scopes_of_their_own_strict_in_one_only(strict_first):
 # ------------------------------------------------------------------------------ compile modes
 
 COMPILE = """
-from cudnn_sdpa_provider import reference
+from cudnn_sdpa_provider.ops import reference
 q0, k0, v0, go = (torch.randn(2, 4, 128, 64, device=DEV).to(torch.bfloat16) for _ in range(4))
 
 def block(q, k, v):

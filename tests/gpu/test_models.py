@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters
+from cudnn_sdpa_provider.core import counters
 from cudnn_sdpa_provider.integrations import transformers as csp_hf
 from tests.util import TOL, grad_tol, rel_error
 

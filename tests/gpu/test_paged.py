@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters
+from cudnn_sdpa_provider.core import counters
 from tests.paged_support import make_paged, paged_reference
 from tests.util import TOL, assert_rel_close, grad_tol, poison_allocator
 

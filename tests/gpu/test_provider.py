@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, markers
-from cudnn_sdpa_provider.demo import TinyGQA
+from cudnn_sdpa_provider.core import counters, markers
+from cudnn_sdpa_provider.tools.demo import TinyGQA
 from tests.util import TOL, assert_rel_close, grad_tol, make_dense
 
 pytestmark = pytest.mark.gpu

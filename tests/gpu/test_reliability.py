@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, graphs, machine, reference, support
+from cudnn_sdpa_provider.core import counters, support
+from cudnn_sdpa_provider.engine import graphs, machine
+from cudnn_sdpa_provider.ops import reference
 from tests.util import no_host_syncs, rel_error
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider import counters, env, graphs, reference, tuning
+from cudnn_sdpa_provider.core import counters, env
+from cudnn_sdpa_provider.engine import graphs, tuning
+from cudnn_sdpa_provider.ops import reference
 from tests.util import TOL, assert_rel_close, grad_tol, make_dense, poison_allocator
 
 pytestmark = pytest.mark.gpu

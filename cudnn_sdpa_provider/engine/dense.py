@@ -1,0 +1,251 @@
+"""Dense (B, H, S, D) attention on cuDNN graphs: forward and backward through per-signature bindings.
+
+These functions run on CUDA tensors and never decide a fallback: ``route`` has checked the call's
+reasons before they run, and cuDNN's own rejection at build time surfaces as ``NotSupportedError``
+(``graph_not_supported``) before any work is done.
+
+Conventions:
+  q (B, H_q, S_q, D_qk), k (B, H_k, S_kv, D_qk), v (B, H_v, S_kv, D_v), any strides;
+  out (B, H_q, S_q, D_v) in q's dimension order; lse (B, H_q, S_q, 1) fp32 contiguous;
+  dq/dk/dv ``empty_like`` q/k/v (``layout``).
+  window: FlashAttention (left, right), -1 unbounded; bottom_right aligns the diagonal to the end
+  of each sequence (per sequence when lengths are given).
+  padded: seq_len_q / seq_len_kv (B,) int32 on the device. Rows of out past seq_len_q are 0; rows of
+  dq past seq_len_q and of dk/dv past seq_len_kv are 0. A batch row whose lengths are outside
+  [0, S] is given lengths 0 (cuDNN computes nothing for it) and its output is NaN: never clamped,
+  never read past the tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import binding as bd
+from ..core import layout, rows
+from .binding import Binding, tensor_key
+from .graphs import UID, BwdKey, FwdKey
+
+__all__ = ["forward", "backward", "bias_operand", "alignment", "same_lengths"]
+
+
+def same_lengths(a, b) -> bool:
+    """Whether two length descriptions are the same: equal ints, or one device tensor (the same
+    object or the same memory, shape and strides; never read, so no sync)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is b or (a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def alignment(bottom_right: bool, *same) -> bool:
+    """``bottom_right``, unless every sequence has as many keys as queries (each pair in ``same``
+    is the same): then bottom-right and top-left are the same mask, and top-left is what cuDNN
+    runs fastest (its ragged bottom-right kernels do not skip masked tiles; docs/performance.md)."""
+    return bottom_right and not all(same_lengths(a, b) for a, b in same)
+
+
+def bias_operand(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """An additive bias/mask broadcastable to (B, H_q, S_q, S_kv) as cuDNN reads it: 4-D,
+    (1|B, 1|H_q, S_q, S_kv), q's dtype, usable strides. Broadcast batch/head dims become size 1
+    (no copy); broadcast sequence dims are materialised (cuDNN has no S broadcasting)."""
+    b, h, s_q, s_kv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if bias.dtype == torch.bool:  # F.sdpa converts masks before the op; direct callers may not
+        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~bias, float("-inf")).expand(bias.shape)
+    if bias.dim() > 4:
+        raise ValueError(f"attn_bias must have at most 4 dims, got shape {tuple(bias.shape)}")
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    if bias.shape[0] > 1 and bias.stride(0) == 0:
+        bias = bias[:1]
+    if bias.shape[1] > 1 and bias.stride(1) == 0:
+        bias = bias[:, :1]
+    bb, bh = bias.shape[0], bias.shape[1]
+    if bb not in (1, b) or bh not in (1, h) or bias.shape[2] not in (1, s_q) or bias.shape[3] not in (1, s_kv):
+        raise ValueError(f"attn_bias of shape {tuple(bias.shape)} does not broadcast to ({b}, {h}, {s_q}, {s_kv})")
+    bias = bias.to(q.dtype).expand(bb, bh, s_q, s_kv)
+    return layout.repaired(bias)
+
+
+def _lengths(t: torch.Tensor, b: int) -> torch.Tensor:
+    if t.dtype != torch.int32:
+        raise TypeError(f"sequence lengths must be int32, got {t.dtype}")
+    return bd.small_operand(t, (b, 1, 1, 1))
+
+
+def _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p):
+    """(uid, tensor) pairs of the options, in the order every binding uses."""
+    b, h = q.shape[0], q.shape[1]
+    pairs = []
+    if bias is not None:
+        pairs.append((UID.BIAS, bias))
+    if seq_len_q is not None:
+        pairs += [(UID.SEQ_Q, _lengths(seq_len_q, b)), (UID.SEQ_KV, _lengths(seq_len_kv, b))]
+    if sinks is not None:
+        pairs.append((UID.SINK, bd.small_operand(sinks, (1, h, 1, 1), torch.float32)))
+    if dropout_p > 0.0:
+        pairs += [(UID.SEED, philox[0].reshape(1, 1, 1, 1)), (UID.OFFSET, philox[1].reshape(1, 1, 1, 1))]
+    return pairs
+
+
+def _safe_lengths(seq_len_q, seq_len_kv, s_q: int, s_kv: int):
+    """(lengths cuDNN is given, bad): a batch row whose lengths are outside [0, S] is given lengths 0,
+    so cuDNN computes nothing for it, and ``bad`` (B, 1, 1, 1) makes its output NaN afterwards."""
+    if seq_len_q is None:
+        return None, None, None
+    bad = rows.bad_lengths(seq_len_q, seq_len_kv, s_q, s_kv)
+    flat = bad.view(-1)
+    return torch.where(flat, 0, seq_len_q), torch.where(flat, 0, seq_len_kv), bad
+
+
+def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv, bad) -> None:
+    """Zero the rows that are 0 by definition and, in one pass, make NaN the batch rows whose
+    lengths are out of range."""
+    if not b.extra["dead"]:
+        return
+    dead = rows.dead_rows(out.shape[2], s_kv, window, bottom_right, seq_len_q, seq_len_kv, out.device)
+    if seq_len_q is None:
+        out.masked_fill_(dead, 0)
+        return
+    value = torch.where(bad, float("nan"), 0.0).to(out.dtype)  # (B, 1, 1, 1)
+    torch.where(dead | bad, value, out, out=out)
+
+
+def _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p) -> tuple:
+    if bias is None and seq_len_q is None and sinks is None and dropout_p == 0.0:
+        return ()
+    return tuple(t for _, t in _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p))
+
+
+def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None, bias=None, seq_len_q=None,
+            seq_len_kv=None, philox=None, dropout_p=0.0, compute_lse=True, rng_dump=None, signature=None):
+    """cuDNN forward: (out, lse). ``philox`` is the (seed, offset) pair of int64 device tensors for
+    dropout (its backward reuses it); ``rng_dump`` (tests only) a (B, H_q, S_q, S_kv) fp32 buffer that
+    receives the realised keep mask. ``signature``: a caller's own signature of this call, covering
+    everything the one built here would (then ``bottom_right`` must already be ``alignment``'s)."""
+    if signature is None:
+        bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
+        signature = ("dense_fwd", q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(sinks),
+                     tensor_key(bias), tensor_key(seq_len_q), tensor_key(seq_len_kv), scale, window, bottom_right,
+                     dropout_p, compute_lse, rng_dump is not None)
+    if bias is not None:
+        bias = bias_operand(bias, q, k)
+    found = bd.lookup(signature)
+    if found is None:
+        found = bd.store(signature, _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window,
+                                                  bottom_right, dropout_p, compute_lse, rng_dump))
+    if found.fix:
+        q, k, v = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
+    (size, stride), (lse_size, _) = found.outputs
+    out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
+    out_buf = out if found.direct[0] else torch.empty(size, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_size, dtype=torch.float32, device=q.device)
+    safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+    buffers = (q, k, v, out_buf, lse) if compute_lse else (q, k, v, out_buf)
+    buffers += _extras(q, bias, safe_q, safe_kv, sinks, philox, dropout_p)
+    if rng_dump is not None and dropout_p > 0.0:
+        buffers += (rng_dump,)
+    bd.run(found, buffers, q.device.index)
+    if out_buf is not out:
+        out.copy_(out_buf)
+    _fix_rows(out, found, window, bottom_right, seq_len_q, seq_len_kv, k.shape[2], bad)
+    return out, lse
+
+
+def _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p, compute_lse,
+                  rng_dump):
+    b, h, s_q, _ = q.shape
+    repair = tuple(not layout.usable(t) for t in (q, k, v))
+    qr, kr, vr = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), repair))
+    out = layout.dense_out(q, (b, h, s_q, v.shape[3]))
+    out_direct = layout.strides_usable(out)
+    out_buf = out if out_direct else torch.empty(tuple(out.shape), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, s_q, 1), dtype=torch.float32, device=q.device)
+    key = FwdKey(device=q.device.index, q=bd.desc(qr), k=bd.desc(kr), v=bd.desc(vr), o=bd.desc(out_buf),
+                 lse=bd.desc(lse) if compute_lse else None, scale=float(scale), window=tuple(window),
+                 bottom_right=bool(bottom_right), sinks=sinks is not None,
+                 bias=bd.desc(bias) if bias is not None else None, padded=seq_len_q is not None,
+                 dropout_p=float(dropout_p), rng_dump=rng_dump is not None and dropout_p > 0.0)
+    uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ())
+    uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, philox, dropout_p))
+    uids += (UID.RNG_DUMP,) if rng_dump is not None and dropout_p > 0.0 else ()
+    dead = seq_len_q is not None or rows.dead_rows(s_q, k.shape[2], window, bottom_right) is not None
+    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
+                   outputs=((tuple(out.shape), out.stride()), ((b, h, s_q, 1), lse.stride())),
+                   direct=(out_direct, True), extra={"dead": dead}, fix=any(repair))
+
+
+def _plan(key):
+    return bd.graphs.plan(key)
+
+
+def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bottom_right=False, sinks=None,
+             bias=None, seq_len_q=None, seq_len_kv=None, philox=None, dropout_p=0.0, deterministic=False,
+             signature=None):
+    """cuDNN backward: (dq, dk, dv, dsinks or None). ``signature`` as for ``forward``."""
+    if signature is None:
+        bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
+        signature = ("dense_bwd", q.device.index, tensor_key(grad_out), tensor_key(q), tensor_key(k),
+                     tensor_key(v), tensor_key(out), tensor_key(lse), tensor_key(sinks), tensor_key(bias),
+                     tensor_key(seq_len_q), tensor_key(seq_len_kv), scale, window, bottom_right, dropout_p,
+                     deterministic)
+    if bias is not None:
+        bias = bias_operand(bias, q, k)
+    found = bd.lookup(signature)
+    if found is None:
+        found = bd.store(signature, _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox,
+                                                   scale, window, bottom_right, dropout_p, deterministic))
+    qr, kr, vr, outr, do, lse_in = q, k, v, out, grad_out, lse
+    if found.fix:
+        fix_q, fix_k, fix_v, fix_o, fix_do, fix_lse = found.repair
+        qr, kr, vr, outr = (layout.repaired(t) if f else t for t, f in zip((q, k, v, out), (fix_q, fix_k, fix_v, fix_o)))
+        do = torch.empty_like(outr).copy_(grad_out) if fix_do else grad_out  # dO matched to the (repaired) O
+        lse_in = lse.contiguous() if fix_lse else lse  # cuDNN < 9.26 misreads non-packed stats
+    (dq, dk, dv), bufs = bd.outputs(found, (q.dtype, k.dtype, v.dtype), q.device)
+    safe_q, safe_kv, _ = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+    buffers = (qr, kr, vr, outr, do, lse_in, bufs[0], bufs[1], bufs[2])
+    buffers += _extras(q, bias, safe_q, safe_kv, sinks, philox, dropout_p)
+    if sinks is not None:  # cuDNN writes dSink_token; the gradient itself is computed below
+        buffers += (torch.empty((1, q.shape[1], 1, 1), dtype=torch.float32, device=q.device),)
+    bd.run(found, buffers, q.device.index)
+    bd.copy_back([dq, dk, dv], bufs)
+    _zero_dead_grads(dq, dk, dv, found, window, bottom_right, seq_len_q, seq_len_kv)
+    dsinks = rows.sink_grad_dense(sinks, lse_in, outr, do) if sinks is not None else None
+    return dq, dk, dv, dsinks
+
+
+def _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox, scale, window, bottom_right,
+                   dropout_p, deterministic):
+    repair = tuple(not layout.usable(t) for t in (q, k, v, out))
+    qr, kr, vr, outr = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v, out), repair))
+    fix_do = not layout.usable(grad_out)
+    do = torch.empty_like(outr) if fix_do else grad_out
+    fix_lse = not lse.is_contiguous()
+    grads = [layout.grad_like(t) for t in (q, k, v)]
+    direct = tuple(layout.strides_usable(g) for g in grads)
+    bufs = [g if d else torch.empty(tuple(g.shape), dtype=g.dtype, device=g.device) for g, d in zip(grads, direct)]
+    key = BwdKey(device=q.device.index, q=bd.desc(qr), k=bd.desc(kr), v=bd.desc(vr), o=bd.desc(outr),
+                 do=bd.desc(do), lse=bd.desc(lse.contiguous() if fix_lse else lse), dq=bd.desc(bufs[0]),
+                 dk=bd.desc(bufs[1]), dv=bd.desc(bufs[2]), scale=float(scale), window=tuple(window),
+                 bottom_right=bool(bottom_right), sinks=sinks is not None,
+                 bias=bd.desc(bias) if bias is not None else None, padded=seq_len_q is not None,
+                 dropout_p=float(dropout_p), deterministic=bool(deterministic))
+    uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV)
+    uids += tuple(u for u, _ in _options_pairs(q, bias, seq_len_q, seq_len_q, sinks, philox, dropout_p))
+    uids += (UID.DSINK,) if sinks is not None else ()
+    dead = rows.dead_rows(q.shape[2], k.shape[2], window, bottom_right) is not None
+    repair += (fix_do, fix_lse)
+    return Binding(plan=_plan(key), uids=tuple(int(u) for u in uids), repair=repair,
+                   outputs=tuple((tuple(g.shape), g.stride()) for g in grads), direct=direct, extra={"dead": dead},
+                   fix=any(repair))
+
+
+def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, seq_len_kv) -> None:
+    if b.extra["dead"] or seq_len_q is not None:
+        dead = rows.dead_rows(dq.shape[2], dk.shape[2], window, bottom_right, seq_len_q, seq_len_kv, dq.device)
+        if dead is not None:
+            dq.masked_fill_(dead, 0)
+    if seq_len_kv is not None:
+        past_kv = rows.rows_past(seq_len_kv, dk.shape[2])
+        dk.masked_fill_(past_kv, 0)
+        dv.masked_fill_(past_kv, 0)
+    # Out-of-range lengths need no poisoning here: the forward's rows of that batch row are NaN.

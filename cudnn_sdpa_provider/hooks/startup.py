@@ -1,0 +1,154 @@
+"""The environment-variable opt-in, run from ``cudnn_sdpa_provider_startup.pth``.
+
+The .pth line imports this module only when ``CUDNN_SDPA_PROVIDER`` is set to something other
+than 0, and wraps it in try/except so interpreter start can never break. ``run()`` does not import
+torch: it records the requested mode and installs an import hook, and the provider is enabled at
+the first moment when torch is fully imported and no module of this package is half-imported.
+
+Why the second condition: ``cudnn_sdpa_provider.hooks.activation`` (and most other modules here)
+import torch at their top. When the package is imported before torch (``csp.enable()`` at the
+top of a script, ``cudnn-sdpa run``), the script's first ``import torch`` happens inside one of
+those imports, and enabling then would import a module that is still executing ("cannot import
+name ... partially initialized module"). So the hook wraps the loaders of torch and of this
+package's submodules, counts the imports in progress on each thread, and enables when the
+count returns to zero with torch loaded. A script that never imports torch pays nothing; a
+failure to enable prints one line and never breaks the import that triggered it. Calling
+``run()`` twice is harmless.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import logging
+import sys
+import threading
+
+__all__ = ["run", "activate", "pending"]
+
+_PACKAGE = __name__.partition(".")[0]  # the top package, cudnn_sdpa_provider
+
+_done = False
+_pending: str | None = None  # the mode waiting for torch ("on" / "strict"), None once handled
+_lock = threading.Lock()
+_local = threading.local()  # .depth: imports of torch / this package in progress on this thread
+
+
+def pending() -> str | None:
+    """The mode the hook will enable once torch is imported, or None."""
+    return _pending
+
+
+def activate(mode: str) -> None:
+    """Enable the provider now (torch is imported) and arrange the exit report."""
+    from ..core import env
+    from .activation import enable
+
+    level = env.log_level()
+    if level is not None:
+        logger = logging.getLogger(_PACKAGE)
+        logger.setLevel(level.upper())
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+            logger.addHandler(handler)
+    enable(strict=(mode == "strict"), process_wide=True)  # the whole program, every thread
+    path = env.report_path()
+    if path:
+        atexit.register(_report_at_exit, path)
+
+
+def _report_at_exit(path: str) -> None:
+    """Write the report; a path that cannot be written is one line on stderr, never a traceback."""
+    from .telemetry import write_report
+
+    try:
+        write_report(path)
+    except Exception as exc:  # noqa: BLE001  (at exit: say it, do not raise)
+        print(f"cudnn-sdpa-provider: warning: report not written to {path!r}: {_why(exc)}", file=sys.stderr)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _finish() -> None:
+    """Enable the pending mode once (whichever thread gets here first)."""
+    global _pending
+    with _lock:
+        mode, _pending = _pending, None
+        for finder in [f for f in sys.meta_path if isinstance(f, _Hook)]:
+            sys.meta_path.remove(finder)
+    if mode is not None:
+        try:
+            activate(mode)
+        except Exception as exc:  # never break the user's import
+            print(f"cudnn-sdpa-provider: not enabled: {exc!r}", file=sys.stderr)
+
+
+def _torch_loaded() -> bool:
+    torch = sys.modules.get("torch")
+    spec = getattr(torch, "__spec__", None)
+    return torch is not None and not getattr(spec, "_initializing", False)
+
+
+class _Loader(importlib.abc.Loader):
+    """Runs the real loader, then puts it back on the module and checks whether to enable."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def create_module(self, spec):
+        return self.real.create_module(spec)
+
+    def exec_module(self, module):
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            self.real.exec_module(module)
+        finally:
+            _local.depth -= 1
+            module.__loader__ = self.real
+            if module.__spec__ is not None:
+                module.__spec__.loader = self.real
+        # torch's own spec is still "initializing" here: it is loaded once its exec returned
+        if _local.depth == 0 and _pending is not None and (module.__name__ == "torch" or _torch_loaded()):
+            _finish()
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, get_source ... of the real loader
+        return getattr(self.real, name)
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loaders that the other finders return for the watched names."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch" and not fullname.startswith(_PACKAGE + "."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def run() -> None:
+    global _done, _pending
+    if _done:
+        return
+    _done = True
+    from ..core import env
+
+    mode = env.activation()  # warns, naming the valid values, on anything it does not know
+    if mode == "off":
+        return
+    _pending = mode
+    if _torch_loaded() and getattr(_local, "depth", 0) == 0:
+        _finish()
+    else:
+        sys.meta_path.insert(0, _Hook())

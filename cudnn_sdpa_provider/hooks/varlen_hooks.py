@@ -1,0 +1,193 @@
+"""The varlen_attn kernels the provider registers (``overrides.Hooks`` registers them): the
+torch_attn ops' forward, ``out`` form and backward, bound by argument name (their schemas differ
+across torch 2.11-2.15). Served on cuDNN's ragged graphs (``packed``), or with a paged KV cache
+(``block_table`` and ``seqused_k``, torch 2.12+) on the paged graph (``paged``); else PyTorch's
+kernel, with a reason (``route``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import markers, scope
+from ..engine import packed, paged
+from ..ops import paged_ops, route
+from ..engine.binding import tensor_key
+from ..ops.route import describe_call
+
+__all__ = ["VARLEN_ARGUMENTS", "Varlen", "bind", "scale_of", "unknown_arguments", "odd_paged_arguments",
+           "varlen_ops"]
+
+
+def bind(op, args, kwargs) -> dict:
+    """An op call's arguments by schema name."""
+    names = [a.name for a in op._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def scale_of(scale, q) -> float:
+    return float(scale) if scale is not None else q.shape[-1] ** -0.5
+
+
+
+#: What the provider does with each argument of torch_attn::_varlen_attn (2.11 - 2.14 schemas):
+#: "serve" (read and honoured), "paged" (with both: a paged KV cache, served on cuDNN's paged graph;
+#: seqused_k alone falls back with paged_kv), "hint" (a performance hint for FlashAttention's kernel
+#: with no effect on the result; cuDNN plans for itself). Any other argument a newer torch adds
+#: falls back with ``unsupported_argument`` unless it has its schema default.
+VARLEN_ARGUMENTS = {
+    "query": "serve", "key": "serve", "value": "serve", "cu_seq_q": "serve", "cu_seq_k": "serve", "max_q": "serve",
+    "max_k": "serve", "is_causal": "serve", "scale": "serve", "window_size": "serve", "enable_gqa": "serve",
+    "seqused_k": "paged", "block_table": "paged", "num_splits": "hint", "out": "serve",
+    # backward-only
+    "grad_out": "serve", "lse": "serve", "rng_state": "serve",
+}
+
+
+def unknown_arguments(op, a) -> tuple:
+    """Names of arguments this provider does not know, passed with a value other than their default."""
+    found = []
+    for arg in op._schema.arguments:
+        if arg.name in VARLEN_ARGUMENTS or arg.name not in a:
+            continue
+        if not arg.has_default_value() or a[arg.name] != arg.default_value:
+            found.append(arg.name)
+    return tuple(found)
+
+
+def odd_paged_arguments(q, k, v, cu_q, table, used) -> tuple:
+    """The paged arguments of a varlen_attn call the provider does not serve as given (it then falls
+    back with ``unsupported_argument``, and PyTorch's kernel takes or refuses them)."""
+    batch = cu_q.shape[0] - 1
+    odd = []
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:2] != v.shape[:2]:
+        odd.append("key/value (not (pages, page_size, H, D) pools of one shape)")
+    if table.dim() != 2 or table.shape[0] != batch or table.dtype != torch.int32 or table.device != q.device:
+        odd.append("block_table (not (B, pages) int32 on q's device)")
+    if used.dim() != 1 or used.shape[0] != batch or used.dtype != torch.int32 or used.device != q.device:
+        odd.append("seqused_k (not (B,) int32 on q's device)")
+    if cu_q.dtype != torch.int32:
+        odd.append("cu_seq_q (not int32)")
+    return tuple(odd)
+
+
+class Varlen:
+    """torch_attn varlen ops (schemas differ across torch 2.11-2.15, so arguments are bound by name)."""
+
+    def __init__(self, fwd_op, fwd_original, bwd_op, bwd_original, out_op=None, out_original=None):
+        self.fwd_op, self.fwd_original = fwd_op, fwd_original
+        self.bwd_op, self.bwd_original = bwd_op, bwd_original
+        self.out_op, self.out_original = out_op, out_original
+
+    @staticmethod
+    def _options(a) -> tuple[tuple[int, int], float | None]:
+        left, right = list(a.get("window_size") or [-1, -1])
+        if a.get("is_causal"):
+            right = 0
+        return (int(left), int(right)), a.get("scale")
+
+    def _entry(self, op, a, backward: bool) -> route.Entry:
+        q, k, v = a["query"], a["key"], a["value"]
+        cu_q = a["cu_seq_q"]
+        window, scale = self._options(a)
+        table, used = a.get("block_table"), a.get("seqused_k")
+        unknown = unknown_arguments(op, a)
+        if table is not None and used is not None:  # a paged KV cache: (pages, page_size, H_k, D) pools
+            unknown += odd_paged_arguments(q, k, v, cu_q, table, used)
+            signature = (op._schema.name, "paged", q.device.index, tensor_key(q), tensor_key(k), tensor_key(v),
+                         cu_q.shape, a["max_q"], tensor_key(table), window, unknown, backward)
+            return route.entry(signature, lambda: paged_ops.problem(
+                q.new_empty((cu_q.shape[0] - 1, q.shape[1], a["max_q"], q.shape[2]), device="meta"), k.transpose(1, 2),
+                v.transpose(1, 2), table, None, window, True, backward, unknown), q.device.index)
+        paged = used is not None or table is not None
+        deterministic = backward and torch.are_deterministic_algorithms_enabled()
+        signature = (op._schema.name, q.device.index, route.varlen_key(q, k, v), cu_q.shape, a["max_q"], a["max_k"],
+                     window, paged, unknown, deterministic)
+        return route.entry(signature, lambda: route.varlen_problem(
+            q, k, v, cu_q, a["max_q"], a["max_k"], backward=backward, window=window, bottom_right=True,
+            deterministic=deterministic, paged=paged, unsupported=unknown), q.device.index)
+
+    def _serve_fwd(self, a):
+        q, k, v = a["query"], a["key"], a["value"]
+        cu_q = a["cu_seq_q"]
+        if a.get("block_table") is not None:  # decided by _entry: with seqused_k, int32 on q's device
+            window, scale = self._options(a)
+            q_padded, lens_q, index, bad = paged_ops.pack_query(q, cu_q, a["max_q"])
+            out, lse = paged.forward(q_padded, k.transpose(1, 2), v.transpose(1, 2), a["block_table"], lens_q,
+                                     a["seqused_k"], scale=scale_of(scale, q), window=window, bottom_right=True)
+            out, lse = paged_ops.unpack(out, lse, index, bad, q)
+            return out, lse.t().contiguous()
+        cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
+        window, scale = self._options(a)
+        # FlashAttention aligns causal masks and windows to the bottom right of each sequence.
+        out, lse = packed.forward(q, k, v, cu_q, cu_k, a["max_q"], a["max_k"], scale=scale_of(scale, q),
+                                  window=window, bottom_right=True)
+        return out, lse.t().contiguous()  # torch_attn's convention is (H, T)
+
+    def forward(self, keyset, *args, **kwargs):
+        a = bind(self.fwd_op, args, kwargs)
+        strict = scope.strict()
+
+        def serve():
+            out, lse = self._serve_fwd(a)
+            rng_state = torch.zeros(2, dtype=torch.uint64, device=out.device)
+            markers.mark(rng_state, markers.Record(served=True, strict=strict))
+            return out, lse, rng_state
+
+        def native(reason):
+            result = self.fwd_original.call_boxed(keyset, *args, **kwargs)
+            markers.mark(result[2], markers.Record(served=False, reason=reason.slug))
+            return result
+
+        return route.call("varlen_fwd", self._entry(self.fwd_op, a, False), serve, native,
+                          lambda: describe_call(query=a["query"], key=a["key"], value=a["value"]), strict=strict)
+
+    def forward_out(self, keyset, *args, **kwargs):
+        a = bind(self.out_op, args, kwargs)
+
+        def serve():
+            out, lse = self._serve_fwd(a)
+            a["out"].copy_(out)
+            return lse
+
+        return route.call("varlen_fwd", self._entry(self.out_op, a, False), serve,
+                          lambda reason: self.out_original.call_boxed(keyset, *args, **kwargs),
+                          lambda: describe_call(query=a["query"], out=a["out"]))
+
+    def backward(self, keyset, *args, **kwargs):
+        a = bind(self.bwd_op, args, kwargs)
+        native = lambda reason=None: self.bwd_original.call_boxed(keyset, *args, **kwargs)  # noqa: E731
+        record = markers.lookup(a["rng_state"])
+        if record is None:
+            return native()
+        q, k, v = a["query"], a["key"], a["value"]
+        describe = lambda: describe_call(query=q, key=k, value=v, grad_out=a["grad_out"])  # noqa: E731
+        if not record.served:
+            return route.call("varlen_bwd", route.fixed(record.reason, "its forward fell back"), None, native,
+                              describe, strict=False)
+
+        def serve():
+            cu_q = a["cu_seq_q"]
+            cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
+            window, scale = self._options(a)
+            dq, dk, dv, _ = packed.backward(a["grad_out"], q, k, v, a["out"], a["lse"].t(), cu_q, cu_k, a["max_q"],
+                                            a["max_k"], scale=scale_of(scale, q), window=window, bottom_right=True,
+                                            deterministic=torch.are_deterministic_algorithms_enabled())
+            return dq, dk, dv
+
+        # Our forward's lse is flash's (H, T) natural-log LSE, so flash's backward can use it.
+        return route.call("varlen_bwd", self._entry(self.bwd_op, a, True), serve, native, describe,
+                          strict=record.strict)
+
+
+def varlen_ops():
+    """The torch_attn varlen ops of this torch (2.10+), importing their module first."""
+    try:
+        import torch.nn.attention.varlen  # noqa: F401  (defines torch_attn::*)
+    except Exception:
+        return None
+    ns = torch.ops.torch_attn
+    names = ("_varlen_attn", "_varlen_attn_backward", "_varlen_attn_out")
+    return {n: (getattr(ns, n).default if hasattr(ns, n) else None) for n in names}
