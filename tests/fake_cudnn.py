@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from cudnn_sdpa_provider.engine import graphs, machine
+from cudnn_sdpa_provider.engine import folded, graphs, machine
 from cudnn_sdpa_provider.ops import reference
 from cudnn_sdpa_provider.core import support
 from cudnn_sdpa_provider.engine.graphs import UID, BwdKey
@@ -119,7 +119,7 @@ class FakeGraph:
         ks = self._ragged(b[UID.K], k.k, b[UID.RAG_K], lk)
         vs = self._ragged(b[UID.V], k.v, b[UID.RAG_V], lk)
         os_ = self._ragged(b[UID.O], k.o, b[UID.RAG_O], lq)
-        lses = self._ragged(b[UID.LSE], k.lse, b[UID.RAG_LSE], lq)
+        lses = self._ragged(b[UID.LSE], k.lse, b[UID.RAG_LSE], lq) if k.lse is not None else [None] * len(qs)
         for q, kk, v, o, lse in zip(qs, ks, vs, os_, lses):
             if q is None:
                 continue
@@ -130,7 +130,8 @@ class FakeGraph:
                                      window=k.window, bottom_right=k.bottom_right, sinks=sinks,
                                      compute_dtype=torch.float64)
             o.copy_(out[0])
-            lse.copy_(l[0])
+            if lse is not None:
+                lse.copy_(l[0])
 
     def _backward(self, b):
         k = self.key
@@ -193,6 +194,7 @@ def install(monkeypatch, caps: support.Capabilities = HOPPER) -> list:
     monkeypatch.setattr(graphs, "cudnn", type("FakeCudnn", (), {"set_stream": staticmethod(lambda handle, stream: None)}))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
+    monkeypatch.setattr(folded, "_FAKE_DEVICES", {"cpu"})  # the folded graphs run on the fake's CPU tensors
     graphs.clear_cache()
     return built
 

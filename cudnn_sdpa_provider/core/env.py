@@ -16,6 +16,12 @@ Variable                                              Meaning
 ``CUDNN_SDPA_PROVIDER_AUTOTUNE``                      ``1`` (or on/true/yes): build every plan of a
                                                       graph and keep the fastest on its first call
                                                       (``tuning``); ``0`` (default) the heuristic's.
+``CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS``                 ``auto`` (default): a dense call at a new
+                                                      sequence length reuses the graph of its
+                                                      power-of-two length bucket (lengths that are
+                                                      powers of two keep their exact graph unless
+                                                      the bucket's is built); ``1`` always the
+                                                      bucket's; ``0`` an exact graph per length.
 ====================================================  ==========================================
 """
 
@@ -32,6 +38,7 @@ __all__ = [
     "CACHE_SIZE",
     "DETERMINISTIC_WORKSPACE_MB",
     "AUTOTUNE",
+    "SHAPE_BUCKETS",
     "Parsed",
     "parse_activation",
     "parse_log_level",
@@ -43,6 +50,8 @@ __all__ = [
     "cache_size",
     "deterministic_workspace_mb",
     "autotune",
+    "parse_shape_buckets",
+    "shape_buckets",
 ]
 
 ACTIVATION = "CUDNN_SDPA_PROVIDER"
@@ -51,6 +60,7 @@ LOG = "CUDNN_SDPA_PROVIDER_LOG"
 CACHE_SIZE = "CUDNN_SDPA_PROVIDER_CACHE_SIZE"
 DETERMINISTIC_WORKSPACE_MB = "CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB"
 AUTOTUNE = "CUDNN_SDPA_PROVIDER_AUTOTUNE"
+SHAPE_BUCKETS = "CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS"
 
 _ON = ("1", "on", "true", "yes")
 _OFF = ("", "0", "off", "false", "no")
@@ -139,3 +149,19 @@ def deterministic_workspace_mb() -> int | None:
 
 def autotune() -> bool:
     return _read(parse_flag(AUTOTUNE, os.environ.get(AUTOTUNE)))  # type: ignore[return-value]
+
+
+def parse_shape_buckets(raw: str | None) -> Parsed:
+    """``"auto"`` (default, also empty), ``"on"`` (1/on/true/yes) or ``"off"`` (0/off/false/no)."""
+    text = (raw or "").strip().lower()
+    if text in ("", "auto"):
+        return Parsed("auto", None)
+    if text in _ON:
+        return Parsed("on", None)
+    if text in _OFF:
+        return Parsed("off", None)
+    return Parsed("auto", f"{SHAPE_BUCKETS}={raw!r} is not a valid value; use auto, 1 or 0. Using auto.")
+
+
+def shape_buckets() -> str:
+    return _read(parse_shape_buckets(os.environ.get(SHAPE_BUCKETS)))  # type: ignore[return-value]

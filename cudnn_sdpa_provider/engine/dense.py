@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from . import binding as bd
+from . import folded
 from ..core import layout, rows
+from ..core.errors import NotSupportedError
 from .binding import Binding, tensor_key
 from .graphs import UID, BwdKey, FwdKey
 
@@ -131,8 +133,12 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        found = bd.store(signature, _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window,
-                                                  bottom_right, dropout_p, compute_lse, rng_dump))
+        found = _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right,
+                              compute_lse)
+        found = bd.store(signature, found or _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window,
+                                                           bottom_right, dropout_p, compute_lse, rng_dump))
+    if found.extra.get("fold"):
+        return folded.run_forward(found, q, k, v, compute_lse)
     if found.fix:
         q, k, v = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
     (size, stride), (lse_size, _) = found.outputs
@@ -149,6 +155,54 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
         out.copy_(out_buf)
     _fix_rows(out, found, window, bottom_right, seq_len_q, seq_len_kv, k.shape[2], bad)
     return out, lse
+
+
+def _pow2(n: int) -> bool:
+    return n & (n - 1) == 0
+
+
+def _fold_wanted(s_q: int, s_kv: int) -> bool | None:
+    """Whether a foldable call takes the length-bucketed graphs: True (build them if needed), None
+    (only if already built), False (never). Lengths that are powers of two are bucket boundaries,
+    where the exact graph has no padded tiles: those take the exact graph unless the bucket's graph
+    is already built (so a growing decode builds one graph per doubling, and a fixed power-of-two
+    shape keeps today's exact graph)."""
+    mode = folded.mode()
+    if mode == "off":
+        return False
+    return True if mode == "on" or not (_pow2(s_q) and _pow2(s_kv)) else None
+
+
+def _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
+    """A folded forward binding (``folded``), or None: not foldable, not wanted, or refused by
+    cuDNN (the exact graph is then tried: a rejection of the folded form is no reason to fall back)."""
+    if not folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, dropout_p=dropout_p,
+                          rng_dump=rng_dump):
+        return None
+    wanted = _fold_wanted(q.shape[2], k.shape[2])
+    if wanted is False:
+        return None
+    try:
+        return folded.bind_forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right,
+                                   compute_lse=compute_lse, build=bool(wanted))
+    except NotSupportedError:
+        return None
+
+
+def _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window, bottom_right,
+                   deterministic):
+    """As ``_fold_forward``, for the backward (grad_out and out must fold too)."""
+    if not (folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, dropout_p=dropout_p)
+            and layout.usable(out) and layout.usable(grad_out)):
+        return None
+    wanted = _fold_wanted(q.shape[2], k.shape[2])
+    if wanted is False:
+        return None
+    try:
+        return folded.bind_backward(grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right,
+                                    deterministic=deterministic, build=bool(wanted))
+    except NotSupportedError:
+        return None
 
 
 def _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p, compute_lse,
@@ -192,8 +246,13 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        found = bd.store(signature, _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox,
-                                                   scale, window, bottom_right, dropout_p, deterministic))
+        found = _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window,
+                               bottom_right, deterministic)
+        found = bd.store(signature, found or _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q,
+                                                            philox, scale, window, bottom_right, dropout_p,
+                                                            deterministic))
+    if found.extra.get("fold"):
+        return folded.run_backward(found, grad_out, q, k, v, out, lse) + (None,)
     qr, kr, vr, outr, do, lse_in = q, k, v, out, grad_out, lse
     if found.fix:
         fix_q, fix_k, fix_v, fix_o, fix_do, fix_lse = found.repair

@@ -37,7 +37,7 @@ except Exception as exc:  # pragma: no cover - exercised on machines without the
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
-__all__ = ["Desc", "FwdKey", "BwdKey", "Fp8Key", "Plan", "UID", "backend_info", "plan", "execute", "cache_info",
+__all__ = ["Desc", "FwdKey", "BwdKey", "Fp8Key", "Plan", "UID", "backend_info", "plan", "cached", "execute", "cache_info",
            "clear_cache", "describe", "writes"]
 
 
@@ -150,6 +150,13 @@ def fast_put(signature: tuple, entry) -> None:
     fast[signature] = entry
     while len(fast) > state["capacity"]:
         fast.popitem(last=False)
+
+
+def cached(key) -> Plan | None:
+    """The built graph for ``key`` if this thread's cache holds one (never builds; a remembered
+    rejection is None too)."""
+    found = _state()["plans"].get(key)
+    return found if isinstance(found, Plan) else None
 
 
 def plan(key) -> Plan:

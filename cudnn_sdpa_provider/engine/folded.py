@@ -1,0 +1,291 @@
+"""Dense attention on length-bucketed graphs: (batch, KV head) folded into a ragged batch.
+
+A dense graph declares every dim and stride, and the batch and head strides of a (B, H, S, D)
+tensor change with S, so each new sequence length would be a new cuDNN graph (about 40 ms to
+build on an H200). Folding removes S from everything the graph declares:
+
+* the batch becomes ``n = B * H_kv`` ragged "sequences", one per (batch row, KV head); each
+  operand's start is a ragged offset ``b * stride_b + g * stride_g`` in elements (a device tensor
+  computed once per call signature), so no batch or KV-head stride is declared;
+* inside a fold, Q/O/dO/dQ keep the group's ``G = H_q / H_kv`` query heads as the head dim, K/V one
+  head (cuDNN's GQA); the declared S is the length bucket (``seqlen_bucket``: the next power of
+  two) and the padding mask gives the real lengths (``seq_len_q/kv`` = S_q, S_kv for every fold);
+* what stays declared is the head-in-group stride and the token stride of each operand. For K/V
+  and for query-side operands with G == 1 or S_q == 1 these do not depend on S in the layouts
+  models use (contiguous BHSD, token-major BSHD seen through ``transpose(1, 2)``, fused-projection
+  views); a query-side operand whose head stride is larger than its token stride (BHSD with G > 1
+  and S_q > 1) is copied to token-major order first, its output written token-major and copied.
+
+So one forward and one backward graph per (configuration, S_q bucket, S_kv bucket) serve every
+length in the bucket. The LSE is (B, H, S_q, 1) contiguous as on the exact path: written in place
+where its strides do not depend on S (G == 1 or S_q == 1), else token-major and copied; the
+backward reads it padded to the bucket, (B, H, S_b, 1) (cuDNN < 9.26 misreads non-packed stats).
+
+Not folded (the exact graph serves them, as before): bias (its strides follow S), sinks (one
+logit per query head, which a fold cannot index), dropout (its random stream is indexed by the
+graph's batch and head), per-sequence lengths, the dropout mask dump, operands that are not
+16-byte aligned or whose offsets would overflow int32, and calls made while a CUDA graph is being
+captured (the offsets this module computes on the device must exist before a capture; see
+``applies``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import binding as bd
+from ..core import env, layout, rows
+from .binding import Binding
+from .graphs import UID, BwdKey, Desc, FwdKey
+
+__all__ = ["seqlen_bucket", "mode", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
+
+_INT32_MAX = 2**31 - 1
+
+
+def seqlen_bucket(n: int) -> int:
+    """The declared S for a length: the next power of two (one graph per doubling of S)."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def mode() -> str:
+    """``"auto"``, ``"on"`` or ``"off"`` (``CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS``), read when a call
+    signature is first bound, never per call."""
+    return env.shape_buckets()
+
+
+def _q_like_ok(t: torch.Tensor, groups: int) -> bool:
+    """Whether a query-side operand's declared head-in-group stride is free of S: one query head
+    per fold, one query row, or heads interleaved inside a token (head stride <= token stride)."""
+    return groups == 1 or t.shape[2] == 1 or t.stride(1) <= t.stride(2)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned base and outer strides, innermost stride 1, no negative stride."""
+    return (t.stride(3) == 1 or t.shape[3] == 1) and layout.usable(t) and min(t.stride()) >= 0
+
+
+def _fold_strides(t: torch.Tensor, h_kv: int, groups: int) -> tuple[int, int]:
+    """(batch stride, KV-group stride) of an operand, in elements, as its offsets use them. A size-1
+    dim's stride is arbitrary in PyTorch: a single KV group's is 0 (never stepped), a single batch
+    row's is its groups' extent (the end offset)."""
+    sg = t.stride(1) * groups if h_kv > 1 else 0
+    if t.shape[0] > 1:
+        return t.stride(0), sg
+    per = layout.ALIGN // t.element_size()
+    extent = sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:])) + 1
+    return max(h_kv * sg, -(-extent // per) * per), sg
+
+
+def _end(t: torch.Tensor, h_kv: int, groups: int) -> int:
+    sb, _ = _fold_strides(t, h_kv, groups)
+    return t.shape[0] * sb + sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:])) + 1
+
+
+def applies(q, k, v, *, bias=None, sinks=None, seq_len_q=None, dropout_p=0.0, rng_dump=None) -> bool:
+    """Whether a dense call can run on the folded, length-bucketed graphs (pure shape/stride checks;
+    see the module docstring for what is left to the exact graphs)."""
+    if bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 or rng_dump is not None:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        return False
+    if min(q.shape[2], k.shape[2]) < 1 or q.device.type != "cuda" and not _FAKE_DEVICES:
+        return False
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    if not all(_aligned(t) for t in (k, v)) or not _aligned(q):
+        return False
+    groups = q.shape[1] // k.shape[1]
+    return max(_end(q, k.shape[1], groups), _end(k, k.shape[1], 1), _end(v, v.shape[1], 1)) <= _INT32_MAX
+
+
+#: Device types other than CUDA that the fold runs on: the CPU tier's fake cuDNN adds "cpu".
+_FAKE_DEVICES: set = set()
+
+
+# ------------------------------------------------------------------------------------ descriptors
+
+
+def _extent(dims, strides) -> int:
+    return max(max((n - 1) * s for n, s in zip(dims[1:], strides[1:])) + 1, 1)
+
+
+def _desc(dims, strides, dtype) -> Desc:
+    """A fold's declared tensor: ``dims`` (n, heads, S_b, D); size-1 dims get packed strides (as
+    ``binding.desc``); the batch stride, never stepped (ragged offsets), is one fold's extent."""
+    strides = list(strides)
+    for i in range(1, 4):
+        if dims[i] == 1:
+            inner = 1
+            for s in dims[i + 1:]:
+                inner *= s
+            strides[i] = max(inner, 1)
+    strides[0] = _extent(dims, strides)
+    return Desc(tuple(dims), tuple(strides), dtype)
+
+
+def _q_desc(t: torch.Tensor, n: int, groups: int, s_b: int) -> Desc:
+    return _desc((n, groups, s_b, t.shape[3]), (0, t.stride(1), t.stride(2), 1), t.dtype)
+
+
+def _kv_desc(t: torch.Tensor, n: int, s_b: int) -> Desc:
+    return _desc((n, 1, s_b, t.shape[3]), (0, 0, t.stride(2), 1), t.dtype)
+
+
+def _offsets(t: torch.Tensor, h_kv: int, groups: int) -> torch.Tensor:
+    """(n + 1, 1, 1, 1) int32 ragged offsets of fold i = b * H_kv + g: b * stride_b + g * stride_g
+    (the last entry, B * stride_b, is the end). One kernel when the folds are evenly spaced."""
+    sb, sg = _fold_strides(t, h_kv, groups)
+    n = t.shape[0] * h_kv
+    step = sb if h_kv == 1 else sg if sb == h_kv * sg else None
+    if step:
+        return torch.arange(0, (n + 1) * step, step, dtype=torch.int32, device=t.device).view(-1, 1, 1, 1)
+    i = torch.arange(n + 1, dtype=torch.int64, device=t.device)
+    return ((i // h_kv) * sb + (i % h_kv) * sg).to(torch.int32).view(-1, 1, 1, 1)
+
+
+def _lengths(n: int, s: int, device) -> torch.Tensor:
+    return torch.full((n, 1, 1, 1), s, dtype=torch.int32, device=device)
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, S, D) tensor stored token-major, (B, S, H, D)."""
+    b, h, s, d = t.shape
+    return torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(1, 2)
+
+
+def _q_target(out: torch.Tensor, groups: int) -> torch.Tensor:
+    """The buffer cuDNN writes for a query-side output: ``out`` itself, or a token-major scratch."""
+    return out if _q_like_ok(out, groups) and layout.usable(out) else _token_major(out)
+
+
+def _dead(s_q: int, s_kv: int, window, bottom_right: bool, device):
+    return rows.dead_rows(s_q, s_kv, window, bottom_right, device=device)
+
+
+def _lse_target(b: int, h: int, s_q: int, groups: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the (B, H, S_q, 1) contiguous LSE returned, the buffer cuDNN writes: itself, or a token-major
+    scratch where the contiguous head stride would follow S)."""
+    lse = torch.empty((b, h, s_q, 1), dtype=torch.float32, device=device)
+    if groups == 1 or s_q == 1:
+        return lse, lse
+    return lse, torch.empty((b, s_q, h, 1), dtype=torch.float32, device=device).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------- forward
+
+
+def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_lse: bool,
+                 build: bool = True) -> Binding | None:
+    """The binding of a folded forward; its graph is found in the cache or, with ``build``, built
+    (``graphs.plan``); None when it is not cached and ``build`` is False."""
+    b, h_q, s_q, _ = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    groups, n = h_q // h_kv, b * h_kv
+    sq_b, skv_b = seqlen_bucket(s_q), seqlen_bucket(s_kv)
+    copy_q = not _q_like_ok(q, groups)
+    qr = _token_major(q) if copy_q else q
+    out = layout.dense_out(q, (b, h_q, s_q, v.shape[3]))
+    out_buf = _q_target(out, groups)
+    lse, lse_buf = _lse_target(b, h_q, s_q, groups, q.device)
+    key = FwdKey(device=q.device.index, q=_q_desc(qr, n, groups, sq_b), k=_kv_desc(k, n, skv_b),
+                 v=_kv_desc(v, n, skv_b), o=_q_desc(out_buf, n, groups, sq_b),
+                 lse=_q_desc(lse_buf, n, groups, sq_b) if compute_lse else None, scale=float(scale),
+                 window=tuple(window), bottom_right=bool(bottom_right), ragged=True)
+    uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ()) + (
+        UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O) + ((UID.RAG_LSE,) if compute_lse else ())
+    plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
+    if plan is None:
+        return None
+    tensors = (_lengths(n, s_q, q.device), _lengths(n, s_kv, q.device), _offsets(qr, h_kv, groups),
+               _offsets(k, h_kv, 1), _offsets(v, h_kv, 1), _offsets(out_buf, h_kv, groups))
+    tensors += (_offsets(lse_buf, h_kv, groups),) if compute_lse else ()
+    return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
+                   outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
+                   extra={"fold": True, "groups": groups, "tensors": tensors,
+                          "dead": _dead(s_q, s_kv, window, bottom_right, q.device)}, fix=copy_q)
+
+
+def run_forward(found: Binding, q, k, v, compute_lse: bool):
+    """(out, lse) of a folded forward through its binding."""
+    ex = found.extra
+    groups = ex["groups"]
+    qr = _token_major(q).copy_(q) if found.fix else q
+    (size, stride), = found.outputs
+    out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
+    out_buf = out if found.direct[0] else _token_major(out)
+    lse, lse_buf = _lse_target(q.shape[0], q.shape[1], q.shape[2], groups, q.device)
+    buffers = (qr, k, v, out_buf) + ((lse_buf,) if compute_lse else ()) + ex["tensors"]
+    bd.run(found, buffers, q.device.index)
+    if out_buf is not out:
+        out.copy_(out_buf)
+    if compute_lse and lse_buf is not lse:
+        lse.copy_(lse_buf)
+    if ex["dead"] is not None:
+        out.masked_fill_(ex["dead"], 0)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------- backward
+
+
+def _kv_target(grad: torch.Tensor) -> torch.Tensor:
+    return grad if layout.usable(grad) else torch.empty(tuple(grad.shape), dtype=grad.dtype, device=grad.device)
+
+
+def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right: bool, deterministic: bool,
+                  build: bool = True) -> Binding | None:
+    """The binding of a folded backward (None as for ``bind_forward``). Query-side operands whose head stride follows S are copied
+    token-major; the LSE is read padded to the bucket, (B, H, S_b, 1)."""
+    b, h_q, s_q, _ = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    groups, n = h_q // h_kv, b * h_kv
+    sq_b, skv_b = seqlen_bucket(s_q), seqlen_bucket(s_kv)
+    reads = [(t, not _q_like_ok(t, groups)) for t in (q, out, grad_out)]
+    qr, outr, do = (_token_major(t) if copy else t for t, copy in reads)
+    grads = [layout.grad_like(t) for t in (q, k, v)]
+    bufs = [_q_target(grads[0], groups), _kv_target(grads[1]), _kv_target(grads[2])]
+    lse = Desc((n, groups, sq_b, 1), (groups * sq_b, sq_b, 1, 1), torch.float32)  # padded: no offsets
+    qd = lambda t: _q_desc(t, n, groups, sq_b)  # noqa: E731
+    kd = lambda t: _kv_desc(t, n, skv_b)  # noqa: E731
+    key = BwdKey(device=q.device.index, q=qd(qr), k=kd(k), v=kd(v), o=qd(outr), do=qd(do), lse=lse,
+                 dq=qd(bufs[0]), dk=kd(bufs[1]), dv=kd(bufs[2]), scale=float(scale), window=tuple(window),
+                 bottom_right=bool(bottom_right), ragged=True, deterministic=bool(deterministic), padded_lse=True)
+    uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV,
+            UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
+    plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
+    if plan is None:
+        return None
+    tensors = (_lengths(n, s_q, q.device), _lengths(n, s_kv, q.device), _offsets(qr, h_kv, groups),
+               _offsets(k, h_kv, 1), _offsets(v, h_kv, 1), _offsets(outr, h_kv, groups),
+               _offsets(do, h_kv, groups), _offsets(bufs[0], h_kv, groups), _offsets(bufs[1], h_kv, 1),
+               _offsets(bufs[2], h_kv, 1))
+    return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
+                   outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
+                   direct=tuple(g is buf for g, buf in zip(grads, bufs)),
+                   extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b,
+                          "dead": _dead(s_q, s_kv, window, bottom_right, q.device)}, fix=any(c for _, c in reads))
+
+
+def run_backward(found: Binding, grad_out, q, k, v, out, lse):
+    """(dq, dk, dv) of a folded backward through its binding."""
+    ex = found.extra
+    copy_q, copy_o, copy_do = found.repair
+    qr = _token_major(q).copy_(q) if copy_q else q
+    outr = _token_major(out).copy_(out) if copy_o else out
+    do = _token_major(grad_out).copy_(grad_out) if copy_do else grad_out
+    b, h, s_q = q.shape[0], q.shape[1], q.shape[2]
+    stats = torch.zeros((b, h, ex["s_b"], 1), dtype=torch.float32, device=q.device)
+    stats[:, :, :s_q].copy_(lse)
+    grads, bufs = [], []
+    for (size, stride), direct, t, i in zip(found.outputs, found.direct, (q, k, v), range(3)):
+        g = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
+        grads.append(g)
+        bufs.append(g if direct else _token_major(g) if i == 0 else torch.empty(size, dtype=t.dtype, device=t.device))
+    buffers = (qr, k, v, outr, do, stats, bufs[0], bufs[1], bufs[2]) + ex["tensors"]
+    bd.run(found, buffers, q.device.index)
+    bd.copy_back(grads, bufs)
+    if ex["dead"] is not None:
+        grads[0].masked_fill_(ex["dead"], 0)
+    return tuple(grads)

@@ -1,0 +1,175 @@
+"""CPU tier: the length-bucketed dense graphs (``engine/folded.py``) against the stand-in cuDNN,
+which reads and writes exactly what each graph key declares, ragged offsets included, and fails a
+read outside a buffer (tests/fake_cudnn.py).
+
+What this proves without a GPU: every layout model code hands the dense path is described to cuDNN
+truthfully once (batch, KV head) are folded into a ragged batch, answers and gradients match the
+fp64 reference with native's strides, and a sweep of new lengths inside a bucket builds one forward
+and one backward graph. What only the GPU shows (cuDNN's kernels, reads past the real length) is
+tests/gpu/test_shapes.py's job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_sdpa_provider.core import env, layout
+from cudnn_sdpa_provider.engine import dense, folded, graphs
+from cudnn_sdpa_provider.engine.graphs import BwdKey, FwdKey
+from cudnn_sdpa_provider.ops import reference
+from tests import fake_cudnn
+from tests.util import assert_rel_close
+
+TOL = 1e-6
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.delenv(env.SHAPE_BUCKETS, raising=False)
+    built = fake_cudnn.install(monkeypatch)
+    yield built
+    graphs.clear_cache()
+
+
+def _operands(kind, b, h_q, h_kv, s_q, s_kv, d, gen):
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    if kind == "contiguous":  # BHSD, as a KV cache concatenated along S keeps it
+        return r(b, h_q, s_q, d), r(b, h_kv, s_kv, d), r(b, h_kv, s_kv, d)
+    if kind == "token_major":  # (B, S, H, D) projections seen through transpose(1, 2)
+        return r(b, s_q, h_q, d).transpose(1, 2), r(b, s_kv, h_kv, d).transpose(1, 2), r(b, s_kv, h_kv, d).transpose(1, 2)
+    if kind == "fused_kv":  # one projection for K and V, split by a view
+        kv = r(b, s_kv, 2, h_kv, d)
+        return r(b, s_q, h_q, d).transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    if kind == "head_slice":  # x[..., :d] of a wider head dim: rows are not d apart
+        return (r(b, h_q, s_q, 2 * d)[..., :d], r(b, h_kv, s_kv, 2 * d)[..., :d], r(b, h_kv, s_kv, 2 * d)[..., :d])
+    if kind == "mixed":  # token-major q, BHSD cache (generation's prefill in HF)
+        return r(b, s_q, h_q, d).transpose(1, 2), r(b, h_kv, s_kv, d), r(b, h_kv, s_kv, d)
+    raise ValueError(kind)
+
+
+KINDS = ("contiguous", "token_major", "fused_kv", "head_slice", "mixed")
+
+
+def _check(q, k, v, go, window=(-1, -1), bottom_right=False):
+    out, lse = dense.forward(q, k, v, scale=0.3, window=window, bottom_right=bottom_right)
+    want, want_lse = reference.dense(q.double(), k.double(), v.double(), scale=0.3, window=window,
+                                     bottom_right=bottom_right, compute_dtype=torch.float64)
+    assert_rel_close(out, want, TOL, "out")
+    live = torch.isfinite(want_lse)
+    assert torch.equal(live, torch.isfinite(lse)), "lse is -inf exactly where no key is seen"
+    assert_rel_close(lse[live], want_lse[live], TOL, "lse")
+    assert out.stride() == layout.dense_out(q, tuple(out.shape)).stride(), "out follows q's dimension order"
+    assert lse.is_contiguous()
+    dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=0.3, window=window, bottom_right=bottom_right)
+    rq, rk, rv, _ = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=0.3,
+                                             window=window, bottom_right=bottom_right, compute_dtype=torch.float64)
+    for got, ref, name, src in ((dq, rq, "dq", q), (dk, rk, "dk", k), (dv, rv, "dv", v)):
+        assert_rel_close(got, ref, TOL, name)
+        assert got.stride() == torch.empty_like(src).stride(), f"{name} is empty_like its operand"
+
+
+def _folded_keys(built):
+    return [g.key for g in built if g.key.ragged]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("s_q,s_kv", [(1, 13), (5, 13), (13, 13), (7, 27)])
+def test_folded_forward_backward_match_the_reference_on_every_layout(fake, kind, heads, s_q, s_kv):
+    gen = torch.Generator().manual_seed(s_q * 100 + s_kv)
+    q, k, v = _operands(kind, 2, heads[0], heads[1], s_q, s_kv, 8, gen)
+    go = torch.randn(2, s_q, heads[0], 8, generator=gen).transpose(1, 2)  # a layout of its own
+    _check(q, k, v, go, window=(-1, 0) if s_q == s_kv else (-1, -1), bottom_right=s_q != s_kv)
+    keys = _folded_keys(fake)
+    assert any(isinstance(key, FwdKey) for key in keys) and any(isinstance(key, BwdKey) for key in keys), \
+        "the call ran on the folded graphs"
+
+
+@pytest.mark.parametrize("window", [(3, 0), (2, 2), (0, 0)])
+def test_folded_windows_and_dead_rows(fake, window):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _operands("token_major", 1, 4, 2, 11, 11, 8, gen)
+    go = torch.randn(1, 4, 11, 8, generator=gen)
+    _check(q, k, v, go, window=window)
+    q, k, v = _operands("contiguous", 1, 4, 2, 3, 11, 8, gen)  # bottom-right with S_q < S_kv: rows see keys
+    _check(q, k, v, torch.randn(1, 4, 3, 8, generator=gen), window=(1, 0), bottom_right=True)
+
+
+def test_new_lengths_inside_a_bucket_build_one_forward_and_one_backward_graph(fake):
+    gen = torch.Generator().manual_seed(5)
+    for s in range(17, 32):  # every length of the (16, 32] bucket; causal prefill with GQA
+        q, k, v = _operands("token_major", 2, 4, 2, s, s, 8, gen)
+        _check(q, k, v, torch.randn(2, 4, s, 8, generator=gen), window=(-1, 0))
+    keys = [g.key for g in fake]
+    assert sum(isinstance(key, FwdKey) for key in keys) == 1, keys
+    assert sum(isinstance(key, BwdKey) for key in keys) == 1, keys
+    assert all(key.ragged and key.q.dims[2] == 32 for key in keys)
+
+
+def test_decode_over_a_growing_cache_builds_one_graph_per_doubling(fake):
+    """S_q = 1 against a BHSD cache that grows by one each step, 5..64: buckets 8, 16, 32, 64; the
+    powers of two themselves take the exact graph only where their bucket is not yet built."""
+    gen = torch.Generator().manual_seed(6)
+    for s_kv in range(5, 65):
+        q, k, v = _operands("contiguous", 2, 8, 2, 1, s_kv, 8, gen)
+        out, _ = dense.forward(q, k, v, scale=0.3, compute_lse=False)
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, compute_dtype=torch.float64)
+        assert_rel_close(out, want, TOL, f"out at S_kv={s_kv}")
+    keys = [g.key for g in fake]
+    assert len(keys) <= 5, [folded.seqlen_bucket(key.k.dims[2]) for key in keys]  # 8, 16, 32, 64 (+ exact at 8)
+    assert sum(key.ragged for key in keys) == 4
+
+
+def test_a_power_of_two_shape_keeps_its_exact_graph(fake):
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _operands("contiguous", 1, 2, 2, 16, 16, 8, gen)
+    dense.forward(q, k, v, scale=0.3)
+    assert [g.key.ragged for g in fake] == [False]
+
+
+@pytest.mark.parametrize("raw,ragged", [("0", False), ("1", True), ("auto", True)])
+def test_the_variable_turns_the_buckets_off_or_always_on(fake, monkeypatch, raw, ragged):
+    monkeypatch.setenv(env.SHAPE_BUCKETS, raw)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = _operands("contiguous", 1, 2, 2, 12, 12, 8, gen)
+    dense.forward(q, k, v, scale=0.3)
+    assert [g.key.ragged for g in fake] == [ragged]
+    graphs.clear_cache()
+    q, k, v = _operands("contiguous", 1, 2, 2, 16, 16, 8, gen)
+    dense.forward(q, k, v, scale=0.3)
+    assert fake[-1].key.ragged == (raw == "1")
+
+
+@pytest.mark.parametrize("what", ["bias", "sinks", "lengths", "dropout", "misaligned", "expand"])
+def test_what_the_fold_cannot_take_runs_on_the_exact_graph(fake, what):
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = _operands("contiguous", 2, 2, 2, 12, 12, 8, gen)
+    kw = {}
+    if what == "bias":
+        kw["bias"] = torch.randn(2, 2, 12, 12, generator=gen)
+    elif what == "sinks":
+        kw["sinks"] = torch.randn(2, generator=gen)
+    elif what == "lengths":
+        kw["seq_len_q"] = kw["seq_len_kv"] = torch.tensor([12, 7], dtype=torch.int32)
+    elif what == "misaligned":
+        k = torch.randn(2 * 2 * 12 * 8 + 1, generator=gen)[1:].view(2, 2, 12, 8)
+    elif what == "expand":
+        k = torch.randn(2, 1, 12, 8, generator=gen).expand(2, 2, 12, 8)
+    assert not folded.applies(q, k, v, bias=kw.get("bias"), sinks=kw.get("sinks"), seq_len_q=kw.get("seq_len_q"),
+                              dropout_p=0.1 if what == "dropout" else 0.0)
+    if what != "dropout":
+        dense.forward(q, k, v, scale=0.3, **kw)
+        assert not any(g.key.ragged for g in fake)
+
+
+def test_offsets_never_overflow_int32(monkeypatch):
+    """Operands whose folds' offsets would not fit cuDNN's int32 ragged offsets take the exact graph
+    (meta tensors: strides without storage)."""
+    monkeypatch.setattr(folded, "_FAKE_DEVICES", {"meta"})
+    meta = lambda shape, stride: torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    fits = meta((4, 8, 1, 128), (2**20, 128, 128, 1))
+    assert folded.applies(fits, fits, fits)
+    huge = meta((64, 8, 1, 128), (2**25, 128, 128, 1))  # 64 batch rows 2**25 elements apart
+    assert not folded.applies(huge, huge, huge)
+    assert folded._end(huge, 8, 1) > 2**31 - 1 >= folded._end(fits, 8, 1)
