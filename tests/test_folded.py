@@ -173,3 +173,21 @@ def test_offsets_never_overflow_int32(monkeypatch):
     huge = meta((64, 8, 1, 128), (2**25, 128, 128, 1))  # 64 batch rows 2**25 elements apart
     assert not folded.applies(huge, huge, huge)
     assert folded._end(huge, 8, 1) > 2**31 - 1 >= folded._end(fits, 8, 1)
+
+
+def test_every_declared_stride_is_16_byte_aligned(fake):
+    """cuDNN (frontend 1.32) declines a graph with a stride that is not a multiple of 16 bytes, the
+    never-stepped batch stride included (a decline means an exact graph per length again)."""
+    gen = torch.Generator().manual_seed(11)
+    for kind in KINDS:
+        for s_q, s_kv in ((1, 13), (7, 27), (13, 13)):
+            q, k, v = _operands(kind, 2, 4, 2, s_q, s_kv, 8, gen)
+            dense.forward(q, k, v, scale=0.3)
+    for g in fake:
+        for name in ("q", "k", "v", "o", "lse", "do", "dq", "dk", "dv"):
+            d = getattr(g.key, name, None)
+            if d is None:
+                continue
+            per = 16 // d.dtype.itemsize
+            bad = [(i, s) for i, (n, s) in enumerate(zip(d.dims[:3], d.strides[:3])) if n > 1 and s % per]
+            assert not bad or name == "lse" and all(s == 1 for _, s in bad), (name, d)  # as the packed LSE

@@ -121,7 +121,8 @@ def _desc(dims, strides, dtype) -> Desc:
             for s in dims[i + 1:]:
                 inner *= s
             strides[i] = max(inner, 1)
-    strides[0] = _extent(dims, strides)
+    per = max(layout.ALIGN // dtype.itemsize, 1)  # cuDNN checks every stride's 16-byte alignment
+    strides[0] = -(-_extent(dims, strides) // per) * per
     return Desc(tuple(dims), tuple(strides), dtype)
 
 

@@ -1,0 +1,211 @@
+"""Changing shapes on the GPU: what a new sequence length costs, and generation end to end.
+
+    python3 scripts/bench_shapes.py new_length  PATH     # one path per process: build cost counts
+    python3 scripts/bench_shapes.py hf_generate PATH BATCH
+    python3 scripts/bench_shapes.py all --json FILE      # every case and path, each in a fresh process
+
+PATH: ``native`` (PyTorch's default SDPA choice; cuDNN on an H200 with torch 2.11), ``flash``
+(``sdpa_kernel(FLASH_ATTENTION)``), ``provider`` (F.sdpa inside ``csp.enable()``), ``cudnn`` (the
+Hugging Face integration, ``attn_implementation="cudnn"``; hf_generate only).
+
+* ``new_length``: decode (B 8, H 32/8, D 128, one query against a cache of S_kv 4000..4031, each
+  length new) and causal prefill (B 1, H 32/8, S 700..731), forward and forward+backward: the first
+  call at each new length (wall time, synchronised) against the repeated call (CUDA events, median).
+* ``hf_generate``: a 16-layer Llama-like model (hidden 2048, 32/8 heads, MLP 5632, random weights,
+  bf16), greedy, prompt 512 + 128 new tokens; cold = a prompt length not seen before in each of
+  three generations, warm = the same prompt length again; tokens/s and graph builds.
+
+Each row is printed as JSON; ``all`` collects them with ratios against native. Inputs are random
+(never zeros); timing follows the device METHOD (events, warm-up, medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+PATHS = ("native", "flash", "provider")
+HF_PATHS = ("native", "flash", "provider", "cudnn")
+
+
+def _scope(path: str):
+    if path == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    if path in ("provider", "cudnn"):
+        import cudnn_sdpa_provider as csp
+
+        return csp.enable()
+    return contextlib.nullcontext()
+
+
+def _builds() -> int:
+    if "cudnn_sdpa_provider.engine.graphs" not in sys.modules:
+        return -1
+    from cudnn_sdpa_provider.engine import graphs
+
+    return graphs.cache_info()["built"]
+
+
+def _event_median(fn, n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _wall(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def _decode_inputs(s_kv, b=8, h_q=32, h_kv=8, d=128):
+    q = torch.randn(b, 1, h_q, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, h_kv, s_kv, d, device="cuda", dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+def _prefill_inputs(s, b=1, h_q=32, h_kv=8, d=128, grad=False):
+    make = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    return tuple(t.requires_grad_(grad) for t in (make(h_q), make(h_kv), make(h_kv)))
+
+
+def new_length(path: str) -> list[dict]:
+    rows = []
+    # warm-up outside the measured lengths: the process, cuBLAS and the library are loaded once
+    with _scope(path):
+        q, k, v = _decode_inputs(64)
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for case, make, lengths in (("decode", _decode_inputs, range(4000, 4032)), ("prefill", _prefill_inputs,
+                                                                              range(700, 732))):
+        for mode in ("fwd", "fwd_bwd"):
+            if case == "decode" and mode == "fwd_bwd":
+                continue
+            first, builds0 = [], _builds()
+            with _scope(path):
+                for s in lengths:
+                    inputs = make(s) if case == "decode" else make(s, grad=mode == "fwd_bwd")
+                    causal = case == "prefill"
+
+                    def call(inputs=inputs, causal=causal):
+                        out = F.scaled_dot_product_attention(*inputs, is_causal=causal, enable_gqa=True)
+                        if mode == "fwd_bwd":
+                            out.backward(torch.ones_like(out))
+
+                    first.append(_wall(call))
+                repeated = _event_median(call)
+            rows.append({"case": f"new_length_{case}_{mode}", "path": path, "first_ms_median": statistics.median(first),
+                         "first_ms_max": max(first), "repeated_ms": repeated, "lengths": len(first),
+                         "builds": _builds() - builds0 if builds0 >= 0 else None})
+    return rows
+
+
+def _llama(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096, attention_dropout=0.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16).eval()
+    return model
+
+
+def hf_generate(path: str, batch: int) -> list[dict]:
+    if path == "cudnn":
+        from cudnn_sdpa_provider.integrations import transformers as csp_hf
+
+        csp_hf.register()
+    model = _llama("cudnn" if path == "cudnn" else "sdpa")
+    rows = []
+
+    def generate(prompt_len: int) -> tuple[float, int]:
+        ids = torch.randint(0, 32000, (batch, prompt_len), device="cuda")
+        builds0 = _builds()
+        with _scope(path), torch.inference_mode():
+            t = _wall(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128,
+                                             min_new_tokens=128, do_sample=False, pad_token_id=0))
+        return t, _builds() - builds0 if builds0 >= 0 else -1
+
+    generate(64)  # load kernels and the library (its own lengths: 64..192)
+    for label, prompts in (("cold", (512, 520, 530)), ("warm", (530, 530, 530))):
+        times, builds = [], []
+        for p in prompts:
+            t, n = generate(p)
+            times.append(t)
+            builds.append(n)
+        rows.append({"case": f"hf_generate_b{batch}_{label}", "path": path, "ms": statistics.median(times),
+                     "tokens_per_s": batch * 128 / (statistics.median(times) / 1e3), "builds": builds,
+                     "times_ms": times})
+    return rows
+
+
+def _child(args: list[str]) -> list[dict]:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        return [{"case": " ".join(args), "error": proc.stderr.strip().splitlines()[-1:] or [str(proc.returncode)]}]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def run_all(batches) -> list[dict]:
+    rows = []
+    for path in PATHS:
+        rows += _child(["new_length", path])
+    for batch in batches:
+        for path in HF_PATHS:
+            rows += _child(["hf_generate", path, str(batch)])
+    for row in rows:
+        base = next((r for r in rows if r.get("case") == row.get("case") and r.get("path") == "native"), None)
+        if base and "ms" in row:
+            row["vs_native"] = base["ms"] / row["ms"]
+        if base and "first_ms_median" in row:
+            row["first_vs_native"] = base["first_ms_median"] / row["first_ms_median"]
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("new_length", "hf_generate", "all"))
+    parser.add_argument("path", nargs="?", choices=HF_PATHS)
+    parser.add_argument("batch", nargs="?", type=int, default=1)
+    parser.add_argument("--json", help="all: write the rows here")
+    parser.add_argument("--batches", default="1,8")
+    a = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_shapes: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if a.what == "all":
+        rows = run_all([int(x) for x in a.batches.split(",")])
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    rows = new_length(a.path) if a.what == "new_length" else hf_generate(a.path, a.batch)
+    for row in rows:
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""GPU tier: changing sequence lengths on the length-bucketed graphs (engine/folded.py).
+
+A sweep of 200 lengths through F.scaled_dot_product_attention under the provider: decode (one query
+against a cache that grows), chunked prefill (a chunk of queries, bottom-right causal), causal
+prefill with its backward. Every operand sits in a buffer whose memory just past the real length is
+NaN (a canary): a kernel that read past a length would turn the answer NaN. Each length is checked
+against the fp32 reference and native PyTorch on the same inputs, strides and counters included, and
+the sweep must build at most one forward and one backward graph per doubling of S.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_sdpa_provider as csp
+from cudnn_sdpa_provider.core import counters, layout
+from cudnn_sdpa_provider.engine import graphs
+from cudnn_sdpa_provider.ops import reference
+from tests.util import TOL, assert_rel_close, grad_tol
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+DT = torch.bfloat16
+
+
+def _lengths(lo: int, hi: int, n: int, seed: int) -> list[int]:
+    """``n`` lengths in [lo, hi]: every 2^k - 1, 2^k, 2^k + 1 inside, the rest drawn at random."""
+    edges = sorted({e for k in range(1, 16) for e in (2**k - 1, 2**k, 2**k + 1) if lo <= e <= hi})
+    gen = torch.Generator().manual_seed(seed)
+    rest = torch.randperm(hi - lo + 1, generator=gen).add(lo).tolist()
+    out = list(edges)
+    for s in rest:
+        if len(out) >= n:
+            break
+        if s not in out:
+            out.append(s)
+    return sorted(out)
+
+
+def _canary_bhsd(b, h, s, d, pad=8):
+    """(B, H, S, D) view of a (B, H, S + pad, D) buffer whose rows past S are NaN."""
+    buf = torch.full((b, h, s + pad, d), float("nan"), device=DEV, dtype=DT)
+    buf[:, :, :s].normal_()
+    return buf[:, :, :s]
+
+
+def _canary_token_major(b, s, h, d, pad=8):
+    """(B, H, S, D) view (transpose(1, 2)) of a (B, S + pad, H, D) buffer whose tokens past S are NaN."""
+    buf = torch.full((b, s + pad, h, d), float("nan"), device=DEV, dtype=DT)
+    buf[:, :s].normal_()
+    return buf[:, :s].transpose(1, 2)
+
+
+def _ref(q, k, v, **kw):
+    g = q.shape[1] // k.shape[1]
+    kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
+    return reference.dense(q.float(), kf, vf, scale=q.shape[-1] ** -0.5, **kw)[0]
+
+
+def _builds():
+    return graphs.cache_info()["built"]
+
+
+def test_decode_sweep_over_a_growing_cache():
+    b, h_q, h_kv, d = 4, 16, 4, 128
+    lengths = _lengths(33, 2100, 70, 1)
+    built = _builds()
+    before = counters.stats()
+    with csp.enable():
+        for s in lengths:
+            q = torch.randn(b, 1, h_q, d, device=DEV, dtype=DT).transpose(1, 2)  # (B, 1, H, D) projection
+            k, v = _canary_bhsd(b, h_kv, s, d), _canary_bhsd(b, h_kv, s, d)
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            assert_rel_close(out, _ref(q, k, v).to(out.dtype), TOL[DT], f"decode out at S_kv={s}")
+    delta = (counters.stats() - before).to_dict()["dense_fwd"]
+    assert delta == {"served": len(lengths), "fallback": {}}, delta
+    buckets = {1 << (s - 1).bit_length() for s in lengths}
+    assert _builds() - built <= 2 * len(buckets), (_builds() - built, sorted(buckets))
+
+
+def test_chunked_prefill_sweep_bottom_right():
+    b, h_q, h_kv, d, chunk = 2, 8, 2, 128, 16
+    lengths = _lengths(chunk + 1, 3000, 65, 2)
+    built = _builds()
+    with csp.enable():
+        for s in lengths:
+            q = _canary_token_major(b, chunk, h_q, d)
+            k, v = _canary_bhsd(b, h_kv, s, d), _canary_bhsd(b, h_kv, s, d)
+            out, _ = csp.attention(q, k, v, is_causal=True, bottom_right=True, return_lse=True)
+            want = _ref(q, k, v, window=(-1, 0), bottom_right=True)
+            assert_rel_close(out, want.to(out.dtype), TOL[DT], f"chunk out at S_kv={s}")
+    buckets = {1 << (s - 1).bit_length() for s in lengths}
+    assert _builds() - built <= 2 * len(buckets), (_builds() - built, sorted(buckets))
+
+
+def test_causal_prefill_forward_backward_sweep():
+    b, h_q, h_kv, d = 2, 8, 2, 128
+    lengths = _lengths(9, 1100, 65, 3)
+    built = _builds()
+    before = counters.stats()
+    with csp.enable():
+        for s in lengths:
+            q = _canary_token_major(b, s, h_q, d).detach().requires_grad_()
+            k = _canary_token_major(b, s, h_kv, d).detach().requires_grad_()
+            v = _canary_token_major(b, s, h_kv, d).detach().requires_grad_()
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            go = torch.randn_like(out)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+            qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+            want = _ref(qf, kf, vf, window=(-1, 0))
+            rq, rk, rv = torch.autograd.grad(want, (qf, kf, vf), go.float())
+            assert_rel_close(out, want.detach().to(out.dtype), TOL[DT], f"out at S={s}")
+            assert_rel_close(dq, rq.to(DT), grad_tol(DT), f"dq at S={s}")
+            assert_rel_close(dk, rk.to(DT), grad_tol(DT, h_q // h_kv), f"dk at S={s}")
+            assert_rel_close(dv, rv.to(DT), grad_tol(DT, h_q // h_kv), f"dv at S={s}")
+            assert out.stride() == layout.dense_out(q, tuple(out.shape)).stride(), "out in q's order, as native"
+            assert dq.stride() == torch.empty_like(q).stride() and dk.stride() == torch.empty_like(k).stride()
+    delta = (counters.stats() - before).to_dict()
+    assert delta["dense_fwd"]["served"] == len(lengths) and delta["dense_bwd"]["served"] == len(lengths), delta
+    buckets = {1 << (s - 1).bit_length() for s in lengths}
+    assert _builds() - built <= 3 * len(buckets), (_builds() - built, sorted(buckets))
