@@ -25,7 +25,6 @@ in strict mode. docs/fp8.md states the accuracy measured against fp32 and the sp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -115,11 +114,8 @@ def _scale_s(value) -> float:
 
 
 def _positive(name: str, value, minimum: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            value <= 0 or value < minimum:
-        low = f">= {minimum}" if minimum else "> 0"
-        raise ValueError(f"{name} must be a finite float {low}, got {value!r}")
-    return float(value)
+    low = f">= {minimum}" if minimum else "> 0"
+    return arguments.real(name, value, valid=f"a finite real number {low}", ok=lambda x: x > 0 and x >= minimum)
 
 
 def _factor(name: str, t, device) -> torch.Tensor:
@@ -159,11 +155,12 @@ def _lengths(q, k, seq_lens_q, seq_lens_kv):
         raise ValueError("pass both seq_lens_q and seq_lens_kv (padded batches), or neither")
     if seq_lens_q is None:
         return None, None
+    given = seq_lens_q, seq_lens_kv  # checked as given: int64 values reported unclamped
     seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, q.shape[0], q.device)
     seq_lens_kv = arguments.lengths("seq_lens_kv", seq_lens_kv, q.shape[0], q.device)
     if q.device.type == "cpu" and arguments.readable(seq_lens_q):
-        arguments.check_lengths("seq_lens_q", seq_lens_q, q.shape[2], "S_q")
-        arguments.check_lengths("seq_lens_kv", seq_lens_kv, k.shape[2], "S_kv")
+        arguments.check_lengths("seq_lens_q", given[0], q.shape[2], "S_q")
+        arguments.check_lengths("seq_lens_kv", given[1], k.shape[2], "S_kv")
     return seq_lens_q, seq_lens_kv
 
 
