@@ -168,7 +168,7 @@ def _paged_heads(q, k_cache, v_cache, kv_layout):
         if h_kv == 0 or h_q % h_kv:
             stored = tuple(cache.transpose(1, 2).shape) if kv_layout == "NHD" else tuple(cache.shape)
             raise ValueError(f"H_q={h_q} must be a multiple of the cache's H_kv={h_kv}, read from dim {dim} of "
-                             f"{name} {stored} as kv_layout={kv_layout!r} says ({arguments.KV_LAYOUTS[kv_layout]}); "
+                             f"{name} {stored}, kv_layout={kv_layout!r} being {arguments.KV_LAYOUTS[kv_layout]}; "
                              f"is the cache in the other layout?")
 
 

@@ -28,8 +28,8 @@ import torch
 from . import support
 
 __all__ = ["require_tensor", "readable", "common", "lengths", "block_table", "cu_seqlens", "max_seqlen", "scale",
-           "dropout", "flag", "integer", "real", "window", "KV_LAYOUTS", "kv_layout", "validate_mode", "check_lengths", "check_cu_seqlens",
-           "check_block_table"]
+           "dropout", "flag", "integer", "real", "window", "KV_LAYOUTS", "kv_layout", "validate_mode", "check_lengths",
+           "check_cu_seqlens", "check_block_table"]
 
 
 def require_tensor(name: str, t) -> None:
