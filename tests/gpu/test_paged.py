@@ -105,6 +105,28 @@ def test_paged_output_follows_q_dimension_order():
     assert_rel_close(out.float(), ref, TOL[torch.bfloat16], "out of a BSHD query")
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+@torch.no_grad()
+def test_an_nhd_cache_is_served_in_place_and_equals_the_hnd_reading(block_size):
+    """kv_layout="NHD": a (N, block_size, H_kv, D) cache (FlashAttention's, vLLM's) served on the
+    paged graph as its transposed view, with the answer of the same logical cache stored HND
+    (issue #29; block size 4 with H_q 8, H_kv 2 is the issue's case, whose shape fits both)."""
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    q, kc, vc, table, lq, lk = make_paged(3, 8, 2, 5, 128, block_size, 64 // block_size, device=DEV, gen=gen,
+                                          lens_q=[5, 1, 3])
+    nhd_k, nhd_v = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    before = counters.stats()
+    hnd = csp.attention(q, kc, vc, block_table=table, seq_lens_q=lq, seq_lens_kv=lk, kv_layout="HND",
+                        is_causal=True, bottom_right=True)
+    nhd = csp.attention(q, nhd_k, nhd_v, block_table=table, seq_lens_q=lq, seq_lens_kv=lk, kv_layout="NHD",
+                        is_causal=True, bottom_right=True)
+    torch.cuda.synchronize()
+    assert (counters.stats() - before).to_dict()["paged_fwd"] == {"served": 2, "fallback": {}}
+    ref = paged_reference(q, kc, vc, table, lq, lk, window=(-1, 0), bottom_right=True, dtype=torch.float32)
+    assert_rel_close(nhd.float(), ref, TOL[torch.bfloat16], "NHD cache vs fp32 reference")
+    assert_rel_close(nhd.float(), hnd.float(), TOL[torch.bfloat16], "NHD vs HND reading of the same cache")
+
+
 @torch.no_grad()
 def test_block_size_not_a_power_of_two_falls_back_with_its_reason():
     gen = torch.Generator(device=DEV).manual_seed(5)
