@@ -744,6 +744,9 @@ SERVED_CASES = {
     "fa_layout_window": (dict(b=2, h_q=4, h_k=1, s_q=4, block_size=2, max_blocks=8, fa_layout=True),
                          dict(window=(3, 0), bottom_right=True)),
     "sinks": (dict(b=2, h_q=4, h_k=2, s_q=3, block_size=8, max_blocks=2), dict(sinks=True)),
+    # kv_layout="NHD" is served as this view (issue #29's shapes: H_q 8, H_kv 2, block size 4)
+    "fa_layout_issue_29": (dict(b=3, h_q=8, h_k=2, s_q=3, block_size=4, max_blocks=4, fa_layout=True),
+                           dict(window=(-1, 0), bottom_right=True)),
 }
 
 
