@@ -145,11 +145,22 @@ def test_a_wrong_value_is_a_value_error_naming_the_argument(kw, match):
 @given(st.one_of(st.booleans(), st.text(max_size=3), st.floats(allow_nan=False), st.none(), st.lists(st.integers(),
                                                                                                       max_size=2)))
 def test_integer_helper_refuses_every_non_integral_type(value):
-    with pytest.raises((TypeError, ValueError), match=r"^n must be an integer"):
-        arguments.integer("n", value, minimum=1)
-    if value is not None and not isinstance(value, (int, float)) or isinstance(value, (bool, float)):
-        with pytest.raises(TypeError):
-            arguments.integer("n", value)
+    for minimum in (None, 1):
+        with pytest.raises(TypeError, match=r"^n must be an integer"):
+            arguments.integer("n", value, minimum=minimum)
+
+
+@given(st.one_of(st.floats(), st.booleans(), st.text(max_size=3), st.complex_numbers()))
+def test_real_helper_takes_finite_reals_only(value):
+    if isinstance(value, float) and not isinstance(value, bool):
+        if value == value and abs(value) != float("inf"):
+            assert arguments.real("x", value, valid="a real") == value
+        else:
+            with pytest.raises(ValueError, match=r"^x must be a real, got"):
+                arguments.real("x", value, valid="a real")
+    else:
+        with pytest.raises(TypeError, match=r"^x must be a real, got"):
+            arguments.real("x", value, valid="a real")
 
 
 def test_fp8_numbers_are_checked_by_the_same_helpers():
