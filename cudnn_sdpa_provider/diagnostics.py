@@ -30,38 +30,51 @@ def report(snapshot: "counters.Stats | None" = None) -> str:
 
 def explain(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, window=(-1, -1), bottom_right=False,
             sinks=None, scale=None, seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None,
-            max_seqlen_q=None, max_seqlen_kv=None, deterministic=None, through_sdpa=True,
-            device=None) -> dict[str, list[Reason]]:
+            max_seqlen_q=None, max_seqlen_kv=None, return_lse=False, validate=None, block_table=None, kv_layout=None,
+            deterministic=None, through_sdpa=True, device=None) -> dict[str, list[Reason]]:
     """The reasons a call would get, forward and backward, without running it.
 
-    Takes ``csp.attention``'s keywords (dense (B, H, S, D) or, with ``cu_seqlens_q``, packed
-    (T, H, D)) plus F.sdpa's ``attn_mask``. ``through_sdpa=True`` (default) describes an
-    F.scaled_dot_product_attention / varlen_attn call, which the provider only sees while enabled;
-    ``False`` describes a direct ``attention()`` call. ``device`` answers for another machine: a
-    ``support.Capabilities`` or ``{"compute_capability": (9, 0), "cudnn_version": "9.19.0"}`` (the
-    inputs are then taken as if they were on that CUDA device; meta tensors work).
-    Returns ``{"dense_fwd": [...], "dense_bwd": [...]}`` (or the varlen paths); empty = served.
+    Takes every ``csp.attention`` keyword (dense (B, H, S, D); with ``cu_seqlens_q``, packed
+    (T, H, D); with ``block_table`` and ``kv_layout``, a paged KV cache) plus F.sdpa's
+    ``attn_mask``. ``through_sdpa=True`` (default) describes an F.scaled_dot_product_attention /
+    varlen_attn call, which the provider only sees while enabled; ``False`` describes a direct
+    ``attention()`` call. A paged call is always a direct one (``through_sdpa`` does not apply):
+    ``{"paged_fwd": [...]}``, whose backward is known from the inputs (``paged_backward`` when one
+    requires grad). ``return_lse`` and ``validate`` are checked and change no reason. ``device``
+    answers for another machine: a ``support.Capabilities`` or ``{"compute_capability": (9, 0),
+    "cudnn_version": "9.19.0"}`` (the inputs are then taken as if they were on that CUDA device;
+    meta tensors work). Returns ``{"dense_fwd": [...], "dense_bwd": [...]}`` (or the varlen
+    paths, or paged_fwd); empty = served.
     """
-    packed = cu_seqlens_q is not None
-    arguments.common(q, k, v, sinks, 3 if packed else 4)
-    window = support.canonical_window(is_causal, window)
+    packed, paged = cu_seqlens_q is not None, block_table is not None
+    if arguments.kv_layout(kv_layout, paged) == "NHD":  # as csp.attention reads it
+        k, v = (t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (k, v))
+    arguments.common(q, k, v, sinks, 3 if packed else 4, 4 if paged else None)
+    window = arguments.window(is_causal, window)
     arguments.flag("bottom_right", bottom_right)
+    arguments.flag("return_lse", return_lse)
+    arguments.validate_mode(validate)
     arguments.scale(scale, q.shape[-1])
     dropout_p = arguments.dropout(dropout_p)
     det = torch.are_deterministic_algorithms_enabled() if deterministic is None else arguments.flag(
         "deterministic", deterministic)
     caps = machine.describe_device(device) if device is not None else None
     device_type = "cuda" if caps is not None else q.device.type
-    if packed:
+    if paged:
+        if dropout_p:
+            raise ValueError("dropout_p is not supported with block_table (a paged KV cache is for inference)")
+        problems = [_paged_problem(q, k, v, block_table, cu_seqlens_q, max_seqlen_q, sinks, window, bottom_right)]
+        through_sdpa = False
+    elif packed:
         cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         if cu_seqlens_kv is not None:
             arguments.cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, q.device)
         if max_seqlen_q is None or max_seqlen_kv is None:
             raise ValueError("explain() of a packed call needs max_seqlen_q and max_seqlen_kv")
-        problems = [route.varlen_problem(q, k, v, cu_q, arguments.max_seqlen("max_seqlen_q", max_seqlen_q),
-                                         arguments.max_seqlen("max_seqlen_kv", max_seqlen_kv), backward=b,
-                                         window=window, bottom_right=bottom_right, sinks=sinks is not None,
-                                         deterministic=det) for b in (False, True)]
+        problems = [route.varlen_problem(q, k, v, cu_q, arguments.max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0]),
+                                         arguments.max_seqlen("max_seqlen_kv", max_seqlen_kv, k.shape[0], "k"),
+                                         backward=b, window=window, bottom_right=bottom_right,
+                                         sinks=sinks is not None, deterministic=det) for b in (False, True)]
         if dropout_p:
             problems = [dataclasses.replace(p, dropout_p=dropout_p) for p in problems]
     else:
@@ -76,8 +89,23 @@ def explain(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, window=(
         found = route.reasons_for(p, q.device.index if q.device.type == "cuda" else None, caps=caps)
         if through_sdpa and not activation.enabled():
             found.insert(0, Reason("not_enabled", "the provider is not enabled (csp.enable() or CUDNN_SDPA_PROVIDER=1)"))
-        result[p.path] = found
+        result["paged_fwd" if paged else p.path] = found
     return result
+
+
+def _paged_problem(q, k_cache, v_cache, table, cu_seqlens_q, max_seqlen_q, sinks, window, bottom_right):
+    """A paged call as ``paged_ops`` decides it: packed queries are attended as a padded
+    (B, H, max_seqlen_q, D) batch (a shape-only stand-in here: nothing is copied)."""
+    from .ops import paged_ops
+
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))
+    device = q.device
+    if cu_seqlens_q is not None:
+        cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+        max_q = arguments.max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "q")
+        q = torch.empty((cu_q.shape[0] - 1, q.shape[1], max_q, q.shape[2]), dtype=q.dtype, device="meta")
+    table = arguments.block_table(table, q.shape[0], device)
+    return paged_ops.problem(q, k_cache, v_cache, table, sinks, window, bottom_right, grad)
 
 
 # -------------------------------------------------------------------------------------- doctor

@@ -25,7 +25,6 @@ in strict mode. docs/fp8.md states the accuracy measured against fp32 and the sp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -53,13 +52,15 @@ def _kernels(q):
 
 def _current(t: torch.Tensor, dtype, margin: float = 1.0):
     """(t in FP8 ``dtype``, descale (1,), amax): one pass for the amax, one scaled cast. The scale
-    is a power of 2 at most top / amax, so no value exceeds the format (no clamp); non-finite
-    values give non-finite results."""
+    is a power of 2 at most top / amax, so no value exceeds the format (no clamp). A non-finite
+    amax (an inf or NaN anywhere in ``t``) has no scale: it is NaN, and so are the descale and
+    every stored value, so that everything computed from ``t`` is NaN (with a scale of 0, which
+    top / inf gives, one inf would zero the whole tensor instead, issue #29)."""
     t = t.detach()
     amax = torch.linalg.vector_norm(t, float("inf")).float() if t.numel() else \
         t.new_zeros((), dtype=torch.float32)
     scale = torch.exp2(torch.floor(torch.log2(FORMAT_MAX[dtype] / (amax * margin).clamp(min=1e-30))))
-    scale = torch.where(amax > 0, scale, 1.0)
+    scale = torch.where(amax > 0, scale, 1.0).where(torch.isfinite(amax), float("nan"))  # all-zero t: scale 1
     work = t if t.dtype in (torch.bfloat16, torch.float32) else t.float()  # a power-of-2 scale is exact in bf16
     return (work * scale.to(work.dtype)).to(dtype), (1.0 / scale).reshape(1), amax
 
@@ -68,7 +69,8 @@ def quantize(t: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: float = 1.0)
     """``t`` in FP8 with current scaling: (stored, descale (1,) fp32), stored x descale ~ t.
 
     scale = largest value of ``dtype`` / (``margin`` x max |t|), rounded down to a power of 2 (so
-    descale is exact); an all-zero ``t`` gets scale 1."""
+    descale is exact); an all-zero ``t`` gets scale 1; a ``t`` with an inf or NaN has no scale:
+    its descale and every stored value are NaN."""
     arguments.require_tensor("t", t)
     if dtype not in FORMAT_MAX:
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -115,11 +117,8 @@ def _scale_s(value) -> float:
 
 
 def _positive(name: str, value, minimum: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            value <= 0 or value < minimum:
-        low = f">= {minimum}" if minimum else "> 0"
-        raise ValueError(f"{name} must be a finite float {low}, got {value!r}")
-    return float(value)
+    low = f">= {minimum}" if minimum else "> 0"
+    return arguments.real(name, value, valid=f"a finite real number {low}", ok=lambda x: x > 0 and x >= minimum)
 
 
 def _factor(name: str, t, device) -> torch.Tensor:
@@ -159,11 +158,12 @@ def _lengths(q, k, seq_lens_q, seq_lens_kv):
         raise ValueError("pass both seq_lens_q and seq_lens_kv (padded batches), or neither")
     if seq_lens_q is None:
         return None, None
+    given = seq_lens_q, seq_lens_kv  # checked as given: int64 values reported unclamped
     seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, q.shape[0], q.device)
     seq_lens_kv = arguments.lengths("seq_lens_kv", seq_lens_kv, q.shape[0], q.device)
     if q.device.type == "cpu" and arguments.readable(seq_lens_q):
-        arguments.check_lengths("seq_lens_q", seq_lens_q, q.shape[2], "S_q")
-        arguments.check_lengths("seq_lens_kv", seq_lens_kv, k.shape[2], "S_kv")
+        arguments.check_lengths("seq_lens_q", given[0], q.shape[2], "S_q")
+        arguments.check_lengths("seq_lens_kv", given[1], k.shape[2], "S_kv")
     return seq_lens_q, seq_lens_kv
 
 
@@ -257,6 +257,14 @@ class Recipe:
 _DEFAULT = Recipe()
 
 
+def _poison(*descales: torch.Tensor) -> torch.Tensor:
+    """(1,) fp32: 0, or NaN when one of the tensors these descales belong to held an inf or NaN
+    (``_current`` gives it a NaN descale). Added to the factors that turn FP8 results back into
+    real values, it makes the whole output and every gradient NaN whatever a kernel does with NaN
+    operands (a max that skips NaN would hide it), without a host-device sync."""
+    return sum(d.reshape(1).float() for d in descales) * 0.0
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seq_q, seq_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback):
@@ -267,19 +275,20 @@ class _Attention(torch.autograd.Function):
         out8, lse, _ = _kernels(q8)[0](q8, k8, v8, descale_q, descale_k, descale_v, scale_o, seq_q, seq_kv, scale,
                                       scale_s, is_causal, True, fallback)
         descale_o = 1.0 / scale_o
-        ctx.save_for_backward(q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv)
+        poison = _poison(descale_q, descale_k, descale_v)
+        ctx.save_for_backward(q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv, poison)
         ctx.options = (recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, q.dtype)
-        return out8.to(q.dtype) * descale_o.to(q.dtype)
+        return out8.to(q.dtype) * (descale_o + poison).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv = ctx.saved_tensors
+        q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv, poison = ctx.saved_tensors
         recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, dtype = ctx.options
         do8, descale_do, _ = _current(grad_out, grad_dtype)
         dq, dk, dv, used, _ = _kernels(q8)[1](do8, q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o,
                                              descale_do, None, recipe, seq_q, seq_kv, scale, scale_s, margin,
                                              is_causal, fallback)
-        descale = (1.0 / used).to(dtype)
+        descale = (1.0 / used + poison + _poison(descale_do)).to(dtype)
         grads = tuple(g.to(dtype) * descale[i] for i, g in enumerate((dq, dk, dv)))
         return grads + (None,) * 9
 
@@ -287,7 +296,8 @@ class _Attention(torch.autograd.Function):
 def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens_kv=None, recipe=None):
     """Attention of bf16/fp16/fp32 q (B, H_q, S_q, D), k, v (B, H_k, S_kv, D) computed in FP8, output
     in q's dtype; differentiable (dq, dk, dv in q's dtype). ``recipe``: a ``Recipe`` (default: one
-    shared by every call that passes none)."""
+    shared by every call that passes none). An inf or NaN in q, k or v (or in the gradient of the
+    output) makes the whole output (and every gradient) NaN: such a tensor has no per-tensor scale."""
     _operands(q, k, v, fp8=False)
     arguments.flag("is_causal", is_causal)
     if recipe is None:

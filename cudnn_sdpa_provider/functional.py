@@ -21,7 +21,7 @@ __all__ = ["attention"]
 
 def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_right=False, sinks=None,
               seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
-              max_seqlen_kv=None, dropout_p=0.0, return_lse=False, validate=None, block_table=None):
+              max_seqlen_kv=None, dropout_p=0.0, return_lse=False, validate=None, block_table=None, kv_layout=None):
     """Scaled dot-product attention on cuDNN graphs, forward and backward.
 
     Args:
@@ -42,9 +42,9 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         dropout_p: attention dropout (dense inputs). The forward draws a Philox (seed, offset) pair
             from torch's generator (``torch.manual_seed`` reproduces it) and its backward reuses it.
         return_lse: also return the log-sum-exp: (B, H, S_q, 1) dense, (T, H) packed, fp32.
-        block_table: (B, M) int32 on q's device: k and v are then a paged KV cache, (N, H_k,
-            block_size, D) with any strides (a vLLM/FlashAttention cache (N, block_size, H, D) is
-            its ``.transpose(1, 2)``), row b of the table lists sequence b's blocks in order, and
+        block_table: (B, M) int32 on q's device: k and v are then a paged KV cache of N blocks, in
+            the order ``kv_layout`` names (required), with any strides; row b of the table lists
+            sequence b's blocks in order, and
             ``seq_lens_kv`` (required) holds each sequence's cached tokens (at most M x block_size);
             q is dense (B, H_q, S_q, D) with ``seq_lens_q`` (default S_q), or packed (T, H_q, D) with
             ``cu_seqlens_q`` and ``max_seqlen_q`` (varlen_attn's form). Decode is S_q = 1; for
@@ -52,6 +52,10 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
             bottom_right=True``. Forward only: with inputs that require grad it runs a gather and
             the composite (counted as a fallback, ``paged_backward``; under torch.compile a graph
             break, so ``fullgraph=True`` refuses it). No dropout.
+        kv_layout: with ``block_table`` (required there, refused without): ``"NHD"`` for caches
+            (N, block_size, H_kv, D), FlashAttention's, vLLM's and torch varlen_attn's; ``"HND"``
+            for (N, H_kv, block_size, D). No default: both fit the same shapes when block_size and
+            H_kv both divide H_q, and a cache read in the wrong order gives wrong numbers silently.
         validate: check the values of lengths, prefix sums and block tables (ValueError naming the argument).
             None (default): where it is free, i.e. on CPU tensors; True: also on the GPU, at the
             cost of one host-device sync per call; False: never. Values are read only in eager code
@@ -67,8 +71,13 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         (1, 2, 8, 16)
     """
     varlen = cu_seqlens_q is not None
-    arguments.common(q, k, v, sinks, 3 if varlen else 4, 4 if block_table is not None else None)
-    window = support.canonical_window(is_causal, window)
+    paged = block_table is not None
+    if arguments.kv_layout(kv_layout, paged) == "NHD":  # served as HND views of the same storage
+        k, v = (t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (k, v))
+    if paged:
+        _paged_heads(q, k, v, kv_layout)
+    arguments.common(q, k, v, sinks, 3 if varlen else 4, 4 if paged else None)
+    window = arguments.window(is_causal, window)
     arguments.flag("bottom_right", bottom_right)
     arguments.flag("return_lse", return_lse)
     validate = arguments.validate_mode(validate)
@@ -78,7 +87,7 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
     sinks32 = sinks.float() if sinks is not None else None
     # Compiled code cannot read the scope while tracing; its kernels read it when they run.
     fallback = torch.compiler.is_compiling() or not scope.strict()
-    if block_table is not None:
+    if paged:
         if cu_seqlens_kv is not None or max_seqlen_kv is not None:
             raise ValueError("cu_seqlens_kv / max_seqlen_kv are not used with block_table: the keys are the cache's, "
                              "seq_lens_kv (B,) says how many each sequence has")
@@ -105,11 +114,12 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0] or v.shape[2] != k.shape[2]:
         raise ValueError(f"batch/sequence sizes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if seq_lens_q is not None:
+        given = seq_lens_q, seq_lens_kv  # checked as given: an int64 value is reported as it is, not clamped
         seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, q.shape[0], q.device)
         seq_lens_kv = arguments.lengths("seq_lens_kv", seq_lens_kv, q.shape[0], q.device)
         if check_values:
-            arguments.check_lengths("seq_lens_q", seq_lens_q, q.shape[2], "S_q")
-            arguments.check_lengths("seq_lens_kv", seq_lens_kv, k.shape[2], "S_kv")
+            arguments.check_lengths("seq_lens_q", given[0], q.shape[2], "S_q")
+            arguments.check_lengths("seq_lens_kv", given[1], k.shape[2], "S_kv")
     philox = rows.new_philox(q.device) if dropout_p > 0.0 else None
     eager = ops.eager(q, k, v, sinks, seq_lens_q, seq_lens_kv)
     fwd = ops.DenseFunction.apply if eager else torch.ops.cudnn_sdpa.dense_fwd
@@ -123,44 +133,64 @@ def _varlen(q, k, v, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_
             return_lse, fallback, check_values):
     if seq_lens_q is not None or seq_lens_kv is not None:
         raise ValueError("seq_lens_q/seq_lens_kv are for padded dense inputs; packed inputs use cu_seqlens")
+    given = (cu_q, cu_q if cu_kv is None else cu_kv)  # checked as given (int64 values unclamped)
     cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_q, q.device)
     cu_kv = cu_q if cu_kv is None else arguments.cu_seqlens("cu_seqlens_kv", cu_kv, q.device)
     if cu_kv.shape != cu_q.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must have the same shape, got {tuple(cu_q.shape)} and "
                          f"{tuple(cu_kv.shape)}")
-    max_q = arguments.max_seqlen("max_seqlen_q", max_q)
-    max_kv = arguments.max_seqlen("max_seqlen_kv", max_kv)
+    max_q = arguments.max_seqlen("max_seqlen_q", max_q, q.shape[0], "q")
+    max_kv = arguments.max_seqlen("max_seqlen_kv", max_kv, k.shape[0], "k")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
     if check_values:
-        arguments.check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q)
+        arguments.check_cu_seqlens("cu_seqlens_q", given[0], q.shape[0], "max_seqlen_q", max_q)
         if cu_kv is not cu_q:
-            arguments.check_cu_seqlens("cu_seqlens_kv", cu_kv, k.shape[0], "max_seqlen_kv", max_kv)
+            arguments.check_cu_seqlens("cu_seqlens_kv", given[1], k.shape[0], "max_seqlen_kv", max_kv)
         elif k.shape[0] != q.shape[0] or max_kv < max_q:
-            arguments.check_cu_seqlens("cu_seqlens_q (as cu_seqlens_kv)", cu_kv, k.shape[0], "max_seqlen_kv", max_kv)
+            arguments.check_cu_seqlens("cu_seqlens_q (as cu_seqlens_kv)", given[1], k.shape[0], "max_seqlen_kv",
+                                       max_kv)
     eager = ops.eager(q, k, v, sinks32, cu_q, cu_kv)
     fwd = ops.VarlenFunction.apply if eager else torch.ops.cudnn_sdpa.varlen_fwd
     out, lse = fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks32, scale, window[0], window[1], bottom_right, fallback)
     return (out, lse) if return_lse else out
 
 
+def _paged_heads(q, k_cache, v_cache, kv_layout):
+    """H_q must be a multiple of the caches' H_kv, read where ``kv_layout`` says: a cache in the other
+    layout usually fails here, and the message says which dim was read."""
+    if not (isinstance(q, torch.Tensor) and q.dim() in (3, 4)
+            and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k_cache, v_cache))):
+        return  # arguments.common names the wrong type or rank
+    h_q, dim = q.shape[1], 2 if kv_layout == "NHD" else 1
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        h_kv = cache.shape[1]  # the HND view
+        if h_kv == 0 or h_q % h_kv:
+            stored = tuple(cache.transpose(1, 2).shape) if kv_layout == "NHD" else tuple(cache.shape)
+            raise ValueError(f"H_q={h_q} must be a multiple of the cache's H_kv={h_kv}, read from dim {dim} of "
+                             f"{name} {stored}, kv_layout={kv_layout!r} being {arguments.KV_LAYOUTS[kv_layout]}; "
+                             f"is the cache in the other layout?")
+
+
 def _paged(q, k_cache, v_cache, table, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv, return_lse,
            fallback, check_values):
     b, s_q = q.shape[0], q.shape[2]
+    given = table  # values are checked as given: an int64 entry of 2**33 is reported as 2**33, not clamped
     table = arguments.block_table(table, b, q.device)
     if k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[2] != v_cache.shape[2]:
         raise ValueError(f"k and v caches must have the same blocks (N, ., block_size, .), got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
     if seq_lens_kv is None:
         raise ValueError("block_table needs seq_lens_kv: (B,) int32, each sequence's number of cached tokens")
+    given = given, seq_lens_q, seq_lens_kv
     seq_lens_kv = arguments.lengths("seq_lens_kv", seq_lens_kv, b, q.device)
     if seq_lens_q is None:
         seq_lens_q = torch.full((b,), s_q, dtype=torch.int32, device=q.device)
     seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, b, q.device)
     if check_values:
-        arguments.check_lengths("seq_lens_q", seq_lens_q, s_q, "S_q")
-        arguments.check_lengths("seq_lens_kv", seq_lens_kv, table.shape[1] * k_cache.shape[2], "M x block_size")
-        arguments.check_block_table(table, seq_lens_kv, k_cache.shape[0], k_cache.shape[2])
+        arguments.check_lengths("seq_lens_q", seq_lens_q if given[1] is None else given[1], s_q, "S_q")
+        arguments.check_lengths("seq_lens_kv", given[2], table.shape[1] * k_cache.shape[2], "M x block_size")
+        arguments.check_block_table(given[0], seq_lens_kv, k_cache.shape[0], k_cache.shape[2])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks32)):
         return _paged_with_grad(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window,
                                 bottom_right)
@@ -176,10 +206,11 @@ def _paged_packed(q, k_cache, v_cache, table, cu_q, max_q, scale, window, bottom
     attended as a dense q, and gathered back (copies of q and out only; the cache is read in place)."""
     if seq_lens_q is not None:
         raise ValueError("seq_lens_q is for a dense q; packed queries take their lengths from cu_seqlens_q")
+    given = cu_q
     cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_q, q.device)
-    max_q = arguments.max_seqlen("max_seqlen_q", max_q)
+    max_q = arguments.max_seqlen("max_seqlen_q", max_q, q.shape[0], "q")
     if check_values:
-        arguments.check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q)
+        arguments.check_cu_seqlens("cu_seqlens_q", given, q.shape[0], "max_seqlen_q", max_q)
     q_padded, lens_q, index, bad = paged_ops.pack_query(q, cu_q, max_q)
     out, lse = _paged(q_padded, k_cache, v_cache, table, scale, window, bottom_right, sinks32, lens_q, seq_lens_kv,
                       return_lse, fallback, check_values)

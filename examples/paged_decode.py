@@ -4,9 +4,10 @@
 
 A vLLM-style cache: one pool of fixed-size blocks per layer, (N, block_size, H_kv, D) like
 FlashAttention's, and a block table that lists each sequence's blocks in order, so sequences grow
-without copying. ``csp.attention`` reads the cache through the table: pass the pool as its
-``(N, H_kv, block_size, D)`` view (``.transpose(1, 2)``: no copy), the table, and each sequence's
-cached length. Prefill chunks are the last tokens of their sequences, hence ``is_causal=True,
+without copying. ``csp.attention`` reads the cache through the table: pass the pool as it is with
+``kv_layout="NHD"`` (required with a block table: a pool stored (N, H_kv, block_size, D) is
+``kv_layout="HND"``, and the two can have the same shape), the table, and each sequence's cached
+length. Prefill chunks are the last tokens of their sequences, hence ``is_causal=True,
 bottom_right=True``; a decode step is S_q = 1. On CUDA (cuDNN >= 9.6) this runs on cuDNN's paged
 attention graph; on CPU it falls back (reason ``no_cuda``) to a gather and the aten composite, and
 the report says so. Each sequence's output is checked against F.sdpa (in fp64) on its keys gathered
@@ -44,8 +45,8 @@ class PagedCache:
 
     def attend(self, q: torch.Tensor, lengths_q: torch.Tensor) -> torch.Tensor:
         """q (B, H, S_q, D): each sequence's newest ``lengths_q`` tokens against its whole cache."""
-        return csp.attention(q, self.k.transpose(1, 2), self.v.transpose(1, 2), block_table=self.table,
-                             seq_lens_q=lengths_q, seq_lens_kv=self.lengths, is_causal=True, bottom_right=True)
+        return csp.attention(q, self.k, self.v, block_table=self.table, kv_layout="NHD", seq_lens_q=lengths_q,
+                             seq_lens_kv=self.lengths, is_causal=True, bottom_right=True)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ One decode step (S_q = 1) per row: bf16 q (B, H_q, 1, D) over a paged cache of N
 block_size, D) with a random block table (B, context / block_size) and lengths random in
 [3/4 context, context]. Paths, in one process on the same values:
 
-* ``provider``: ``csp.attention(q, k_cache, v_cache, block_table=, seq_lens_kv=)``, eager;
+* ``provider``: ``csp.attention(q, k_cache, v_cache, block_table=, seq_lens_kv=, kv_layout="HND")``, eager;
 * ``provider_graphed``: the same call captured in a CUDA graph and replayed (how decode is served);
 * ``native_gather``: what PyTorch offers for this cache: gather the blocks into dense (B, H_k, S, D)
   K/V, then ``F.scaled_dot_product_attention`` with a boolean length mask and ``enable_gqa``;
@@ -59,7 +59,7 @@ def row(b, ctx, args, gen) -> dict:
     h_q, h_k = (int(x) for x in args.heads.split("/"))
     q, kc, vc, table, lens = _case(b, ctx, h_q, h_k, args.dim, args.block_size, gen)
     mask = (torch.arange(ctx, device="cuda").view(1, 1, 1, -1) < lens.view(-1, 1, 1, 1))
-    provider = lambda: csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lens)  # noqa: E731
+    provider = lambda: csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lens, kv_layout="HND")  # noqa: E731
     native_gather = lambda: F.scaled_dot_product_attention(  # noqa: E731
         q, _gather(kc, table), _gather(vc, table), attn_mask=mask, enable_gqa=h_q != h_k)
     k_dense, v_dense = _gather(kc, table), _gather(vc, table)

@@ -53,7 +53,8 @@ def main() -> int:
     lq = torch.ones(b, device="cuda", dtype=torch.int32)
     scale = 128 ** -0.5
     parts = {
-        "csp.attention(block_table=)": lambda: csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk),
+        "csp.attention(block_table=)": lambda: csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk,
+                                                                    kv_layout="HND"),
         "paged.forward": lambda: paged.forward(q, kc, vc, table, lq, lk, scale=scale),
         "rows.paged_guard": lambda: rows.paged_guard(table, lq, lk, kc.shape[0], bs, 1),
         "rows.paged_dead_rows + two masked_fill_": lambda: torch.empty(b, 32, 1, 128, device="cuda").masked_fill_(

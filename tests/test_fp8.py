@@ -144,7 +144,7 @@ def test_quantize_does_not_touch_its_input_or_its_autograd_graph():
     (dict(margin=0.5), ValueError, "margin"),
     (dict(margin=0.0), ValueError, "margin"),
     (dict(margin=float("nan")), ValueError, "margin"),
-    (dict(margin=True), ValueError, "margin"),
+    (dict(margin=True), TypeError, "margin must be a finite real number >= 1.0, got bool True"),
 ], ids=["fp16_target", "int8_target", "margin_half", "margin_0", "margin_nan", "margin_bool"])
 def test_quantize_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):

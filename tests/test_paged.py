@@ -37,6 +37,7 @@ def call(case, **kw):
     kw.setdefault("seq_lens_q", lens_q)
     kw.setdefault("seq_lens_kv", lens_kv)
     kw.setdefault("block_table", table)
+    kw.setdefault("kv_layout", "HND")
     return csp.attention(q, k_cache, v_cache, **kw)
 
 
@@ -137,7 +138,7 @@ def test_int64_block_table_and_int64_lengths_are_accepted():
     case = make_paged(2, 2, 2, 3, 16, 4, 3, dtype=torch.float32, gen=gen(5), lens_q=[3, 1])
     q, k_cache, v_cache, table, lens_q, lens_kv = case
     want = call(case, is_causal=True, bottom_right=True)
-    got = csp.attention(q, k_cache, v_cache, block_table=table.long(), seq_lens_q=lens_q.long(),
+    got = csp.attention(q, k_cache, v_cache, kv_layout="HND", block_table=table.long(), seq_lens_q=lens_q.long(),
                         seq_lens_kv=lens_kv.long(), is_causal=True, bottom_right=True)
     assert torch.equal(got, want)
     assert_rel_close(got, reference(case, window=(-1, 0), bottom_right=True), 1e-5, "out")
@@ -147,7 +148,7 @@ def test_seq_lens_q_defaults_to_s_q():
     case = make_paged(3, 2, 2, 4, 16, 4, 3, dtype=torch.float32, gen=gen(6))
     q, k_cache, v_cache, table, lens_q, lens_kv = case
     assert lens_q.tolist() == [4, 4, 4]
-    got = csp.attention(q, k_cache, v_cache, block_table=table, seq_lens_kv=lens_kv, is_causal=True,
+    got = csp.attention(q, k_cache, v_cache, kv_layout="HND", block_table=table, seq_lens_kv=lens_kv, is_causal=True,
                         bottom_right=True)
     assert torch.equal(got, call(case, is_causal=True, bottom_right=True))
     assert_rel_close(got, reference(case, window=(-1, 0), bottom_right=True), 1e-5, "out")
@@ -163,7 +164,7 @@ def test_output_strides_follow_q_dim_order(order, d_v):
     _, k_cache, _, table, lens_q, lens_kv = make_paged(b, h, 2, s, d, 4, 3, dtype=torch.float32, gen=g,
                                                        lens_q=[3, 2])
     v_cache = torch.randn(k_cache.shape[0], 2, 4, d_v, generator=g)
-    out = csp.attention(q, k_cache, v_cache, block_table=table, seq_lens_q=lens_q, seq_lens_kv=lens_kv,
+    out = csp.attention(q, k_cache, v_cache, kv_layout="HND", block_table=table, seq_lens_q=lens_q, seq_lens_kv=lens_kv,
                         is_causal=True, bottom_right=True)
     want_layout = layout.dense_out(q, (b, h, s, d_v))
     assert out.shape == (b, h, s, d_v) and out.stride() == want_layout.stride()
@@ -252,7 +253,7 @@ def test_bad_arguments_raise_naming_the_argument(kw, overrides, exc, match):
     q = overrides.get("q", lambda t: t)(q)
     k_cache = overrides.get("k", lambda t: t)(k_cache)
     v_cache = overrides.get("v", lambda t: t)(v_cache)
-    args = dict(block_table=table, seq_lens_q=lens_q, seq_lens_kv=lens_kv)
+    args = dict(kv_layout="HND", block_table=table, seq_lens_q=lens_q, seq_lens_kv=lens_kv)
     args.update(kw)
     before = counters.stats()
     with pytest.raises(exc, match=match):
@@ -264,7 +265,7 @@ def test_table_on_another_device_raises():
     # A CPU machine has a second device after all: "meta".
     q, k_cache, v_cache, table, lens_q, lens_kv = base()
     with pytest.raises(ValueError, match=r"block_table is on meta but q is on cpu"):
-        csp.attention(q, k_cache, v_cache, block_table=table.to("meta"), seq_lens_kv=lens_kv)
+        csp.attention(q, k_cache, v_cache, kv_layout="HND", block_table=table.to("meta"), seq_lens_kv=lens_kv)
 
 
 @pytest.mark.parametrize("value", [-1, N, 2**31 - 1], ids=["negative", "n", "int32_max"])
@@ -373,7 +374,7 @@ def test_grad_matches_autograd_through_the_reference(name):
 
     def run():
         out = csp.attention(q, k_cache, v_cache, block_table=table, seq_lens_q=lens_q, seq_lens_kv=lens_kv,
-                            sinks=sinks, **kw)
+                            sinks=sinks, kv_layout="HND", **kw)
         out.backward(go)
         return out
 
@@ -546,7 +547,7 @@ def test_compiled_no_grad_equals_eager_and_counts_each_call():
 
     def fn(q, k_cache, v_cache, table, lens_kv):
         return csp.attention(q, k_cache, v_cache, block_table=table, seq_lens_kv=lens_kv, is_causal=True,
-                             bottom_right=True) * 2
+                             bottom_right=True, kv_layout="HND") * 2
 
     q, k_cache, v_cache, table, _, lens_kv = case
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
@@ -565,7 +566,8 @@ def test_compiled_strict_refuses_at_run_time():
     case = base()
     q, k_cache, v_cache, table, lens_q, lens_kv = case
     compiled = torch.compile(lambda q: csp.attention(q, k_cache, v_cache, block_table=table, seq_lens_q=lens_q,
-                                                     seq_lens_kv=lens_kv), backend="eager", fullgraph=True)
+                                                     seq_lens_kv=lens_kv, kv_layout="HND"), backend="eager",
+                             fullgraph=True)
     with torch.no_grad():
         compiled(q)
         with csp.enable(strict=True):
@@ -579,7 +581,8 @@ def _compiled_with_grad(fullgraph: bool):
     q, k_cache, v_cache, table, lens_q, lens_kv = case
     q = q.clone().requires_grad_()
     compiled = torch.compile(lambda q: csp.attention(q, k_cache, v_cache, block_table=table, seq_lens_q=lens_q,
-                                                     seq_lens_kv=lens_kv), backend="eager", fullgraph=fullgraph)
+                                                     seq_lens_kv=lens_kv, kv_layout="HND"), backend="eager",
+                             fullgraph=fullgraph)
     return compiled, q, case
 
 
@@ -741,6 +744,9 @@ SERVED_CASES = {
     "fa_layout_window": (dict(b=2, h_q=4, h_k=1, s_q=4, block_size=2, max_blocks=8, fa_layout=True),
                          dict(window=(3, 0), bottom_right=True)),
     "sinks": (dict(b=2, h_q=4, h_k=2, s_q=3, block_size=8, max_blocks=2), dict(sinks=True)),
+    # kv_layout="NHD" is served as this view (issue #29's shapes: H_q 8, H_kv 2, block size 4)
+    "fa_layout_issue_29": (dict(b=3, h_q=8, h_k=2, s_q=3, block_size=4, max_blocks=4, fa_layout=True),
+                           dict(window=(-1, 0), bottom_right=True)),
 }
 
 
@@ -811,7 +817,8 @@ def test_packed_queries_over_a_cache_equal_the_reference(causal):
     q, case, cu = packed_case(lens_q)
     kw = dict(is_causal=True, bottom_right=True) if causal else {}
     (out, lse), moved = region(lambda: csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=cu,
-                                                     max_seqlen_q=5, seq_lens_kv=case[5], return_lse=True, **kw))
+                                                     max_seqlen_q=5, seq_lens_kv=case[5], return_lse=True,
+                                                     kv_layout="HND", **kw))
     assert moved == {"paged_fwd": {"no_cuda": 1}}, moved
     want = reference(case, window=(-1, 0) if causal else (-1, -1), bottom_right=causal)
     assert out.shape == (9, 4, 16) and lse.shape == (9, 4) and lse.dtype == torch.float32
@@ -827,7 +834,7 @@ def test_packed_queries_keep_native_layout_and_zero_rows_past_the_last_sequence(
     for b, n in enumerate(lens_q):
         start = int(cu[b])
         padded[b, :, :n] = q[start:start + n].transpose(0, 1)
-    out = csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=cu, max_seqlen_q=3,
+    out = csp.attention(q, case[1], case[2], kv_layout="HND", block_table=case[3], cu_seqlens_q=cu, max_seqlen_q=3,
                         seq_lens_kv=case[5])
     assert out.stride() == torch.empty_like(q).stride(), "FlashAttention's layout: empty_like(q)"
     assert torch.all(out[5:] == 0), "tokens past cu_seqlens_q[-1] are 0"
@@ -839,13 +846,13 @@ def test_packed_queries_with_bad_prefix_sums_are_all_nan_unvalidated_and_an_erro
     q, case, _ = packed_case()
     bad = torch.tensor([0, 7, 6, 9, 9], dtype=torch.int32)  # decreasing
     with pytest.raises(ValueError, match="cu_seqlens_q"):
-        csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
+        csp.attention(q, case[1], case[2], kv_layout="HND", block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
                       seq_lens_kv=case[5])
-    out = csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
+    out = csp.attention(q, case[1], case[2], kv_layout="HND", block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
                         seq_lens_kv=case[5], validate=False)
     assert torch.isnan(out).all()
     with pytest.raises(ValueError, match="seq_lens_q is for a dense q"):
-        csp.attention(q, case[1], case[2], block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
+        csp.attention(q, case[1], case[2], kv_layout="HND", block_table=case[3], cu_seqlens_q=bad, max_seqlen_q=5,
                       seq_lens_kv=case[5], seq_lens_q=case[4])
 
 
@@ -855,7 +862,7 @@ def test_packed_queries_with_grad_get_the_composites_gradients():
     q = q.double().requires_grad_()
     k_cache = case[1].double().requires_grad_()
     out = csp.attention(q, k_cache, case[2].double(), block_table=case[3], cu_seqlens_q=cu, max_seqlen_q=5,
-                        seq_lens_kv=case[5], is_causal=True, bottom_right=True)
+                        seq_lens_kv=case[5], is_causal=True, bottom_right=True, kv_layout="HND")
     go = torch.randn_like(out)
     out.backward(go)
     padded = case[0].double().requires_grad_()

@@ -6,16 +6,30 @@ Values inside tensors (lengths, prefix sums) are checked where that needs no hos
 tensors) or where the caller asks (``validate=True``: one sync per call). On the GPU without
 ``validate``, out-of-range lengths are caught on the device instead (``rows``, ``packed``): they
 never read or write outside a tensor, and their outputs are NaN.
+
+Numbers: one helper per kind (``integer``, ``real``, ``flag``), used by every public function.
+An integer argument takes any integral number (``operator.index``: int, numpy integers), a real
+one any real number (``numbers.Real``: int, float, numpy floats and integers), a flag a bool (or
+numpy bool). bool is refused where a number is wanted (``True`` as a length or a scale is a
+mistake), and so are tensors, 0-dim included: these values are read on the host, and reading a CUDA
+tensor would be a device sync (pass ``int(t)`` / ``float(t)``). A wrong type is a TypeError, a
+wrong value (out of range, not finite) a ValueError.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
+import sys
 
 import torch
 
+from . import support
+
 __all__ = ["require_tensor", "readable", "common", "lengths", "block_table", "cu_seqlens", "max_seqlen", "scale",
-           "dropout", "flag", "validate_mode", "check_lengths", "check_cu_seqlens", "check_block_table"]
+           "dropout", "flag", "integer", "real", "window", "KV_LAYOUTS", "kv_layout", "validate_mode", "check_lengths",
+           "check_cu_seqlens", "check_block_table"]
 
 
 def require_tensor(name: str, t) -> None:
@@ -23,17 +37,93 @@ def require_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def _is_bool(value) -> bool:
+    numpy = sys.modules.get("numpy")  # a numpy bool can only come from a program that imported numpy
+    return isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))
+
+
 def flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
+    """A bool (or numpy bool), as a bool; anything else is a TypeError."""
+    if not _is_bool(value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def integer(name: str, value, *, minimum: int | None = None, what: str = "") -> int:
+    """An integral number (int, numpy integer: ``operator.index``) as an int, at least ``minimum``.
+    bool, floats and tensors are TypeErrors (a float length is a mistake, a tensor a device read)."""
+    valid = f"an integer >= {minimum}" if minimum is not None else "an integer"
+    valid += f" ({what})" if what else ""
+    if _is_bool(value) or isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be {valid}, got {type(value).__name__} {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {valid}, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be {valid}, got {number}")
+    return number
+
+
+def real(name: str, value, *, valid: str, ok=lambda x: True) -> float:
+    """A real number (int, float, numpy number: ``numbers.Real``), finite and ``ok``, as a float.
+    bool, strings and tensors are TypeErrors; a value that is not finite or not ``ok`` a ValueError
+    (``valid`` says what is, e.g. "a float in [0, 1)")."""
+    if _is_bool(value) or isinstance(value, torch.Tensor) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {valid}, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or not ok(number):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    return number
+
+
+def window(is_causal, value) -> tuple[int, int]:
+    """``window=(left, right)`` (integers >= -1, -1 unbounded) folded with ``is_causal``
+    (``support.canonical_window``) into a pair of ints."""
+    is_causal = flag("is_causal", is_causal)
+    if value is None:
+        value = (-1, -1)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"window must be a pair (left, right) of integers >= -1, got {value!r}")
+    left, right = (integer(f"window {side} bound", bound, minimum=-1, what="-1 = unbounded")
+                   for side, bound in zip(("left", "right"), value))
+    return support.canonical_window(is_causal, (left, right))
+
+
+#: ``kv_layout``'s values: the dims of a paged KV cache, by FlashInfer's names for them (its
+#: ``kv_layout="NHD"/"HND"``, flashinfer.page.append_paged_kv_cache). Both orders have the same
+#: rank and, where block_size and H_kv divide H_q alike, shapes that fit either reading, so the
+#: caller must say which (a cache read in the wrong order gives wrong numbers, not an error).
+KV_LAYOUTS = {"NHD": "(N, block_size, H_kv, D): FlashAttention, vLLM, torch's varlen_attn(block_table=)",
+              "HND": "(N, H_kv, block_size, D)"}
+
+
+def _layouts() -> str:
+    return " or ".join(f"{name!r} {dims}" for name, dims in KV_LAYOUTS.items())
+
+
+def kv_layout(value, paged: bool) -> str | None:
+    """The paged cache's layout: required with ``block_table`` (no default: see KV_LAYOUTS), refused
+    without it."""
+    if not paged:
+        if value is not None:
+            raise ValueError(f"kv_layout={value!r} is for a paged KV cache; pass block_table too (or drop kv_layout)")
+        return None
+    if value is None:
+        raise TypeError(f"block_table needs kv_layout: the order of the caches' dims, {_layouts()}; it has no "
+                        f"default because both fit the same shapes")
+    if not isinstance(value, str):
+        raise TypeError(f"kv_layout must be a str, {_layouts()}, got {type(value).__name__} {value!r}")
+    if value not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be {_layouts()}, got {value!r}")
     return value
 
 
 def validate_mode(value) -> bool | None:
-    if value is not None and not isinstance(value, bool):
+    if value is not None and not _is_bool(value):
         raise TypeError(f"validate must be None (check values where it is free: CPU tensors), True (always, one "
                         f"host-device sync per call) or False (never), got {value!r}")
-    return value
+    return None if value is None else bool(value)
 
 
 def common(q, k, v, sinks, dims: int, kv_dims: int | None = None) -> None:
@@ -43,7 +133,7 @@ def common(q, k, v, sinks, dims: int, kv_dims: int | None = None) -> None:
     for name, t, rank in (("q", q, dims), ("k", k, kv_dims or dims), ("v", v, kv_dims or dims)):
         require_tensor(name, t)
         if t.dim() != rank:
-            layout_name = names[rank] if name == "q" or kv_dims is None else "(N, H, block_size, D) (a paged cache)"
+            layout_name = names[rank] if name == "q" or kv_dims is None else f"(a paged cache: {_layouts()})"
             raise ValueError(f"{name} must be {rank}-D {layout_name} here, got shape {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share a device")
@@ -99,25 +189,27 @@ def cu_seqlens(name: str, t, device) -> torch.Tensor:
     return _int32_vector(name, t, device, ok, "be 1-D prefix sums of shape (B+1,) with B >= 1")
 
 
-def max_seqlen(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 (the longest sequence; it is never read from the device), "
-                         f"got {value!r}")
-    return value
+def max_seqlen(name: str, value, tokens: int | None = None, tensor: str = "q") -> int:
+    """A host integer >= 1, and at most ``tokens`` (the packed tensor's T: no sequence is longer,
+    and the padded buffers are sized by it, so 10**6 would ask for terabytes)."""
+    if value is None:  # required with cu_seqlens_q: a missing value, as before
+        raise ValueError(f"{name} must be an integer >= 1 (the longest sequence; it is never read from the "
+                         f"device), got None")
+    number = integer(name, value, minimum=1, what="the longest sequence; it is never read from the device")
+    if tokens is not None and number > max(tokens, 1):
+        raise ValueError(f"{name} = {number} is more than the {tokens} packed tokens of {tensor}: no sequence is "
+                         f"that long (pass the longest sequence's length)")
+    return number
 
 
 def scale(value, head_dim: int) -> float:
     if value is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"scale must be a finite float or None, got {value!r}")
-    return float(value)
+    return real("scale", value, valid="a finite real number or None")
 
 
 def dropout(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {value!r}")
-    return float(value)
+    return real("dropout_p", value, valid="a float in [0, 1)", ok=lambda p: 0.0 <= p < 1.0)
 
 
 #: Tensor types that are plain data (nn.Parameter: e.g. gpt-oss's sinks); anything else is a subclass

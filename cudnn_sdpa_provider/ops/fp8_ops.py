@@ -158,15 +158,19 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
 
     def adaptive():
         use = _scales_from(state[:4], margin) if state is not None else scales.float().clone()  # never an alias
+        # an operand with an inf or NaN (a NaN descale, fp8._current) makes every gradient NaN: no
+        # scale can fix that, so no re-run, and its amax (NaN, or whatever a kernel's max made of
+        # NaN) must not become the recipe's state for the next calls (issue #29)
+        finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
         for attempt in range(ATTEMPTS if state is not None else 1):
             dq, dk, dv, amax = once(use)
             if state is None:
                 return dq, dk, dv, use, amax
             over = amax * use > E4M3_MAX
             # scales more than UNDER below what this call's amax allows flush small values to 0
-            bad = over | ((amax > 0) & (amax * use * margin * UNDER < E4M3_MAX))
+            bad = (over | ((amax > 0) & (amax * use * margin * UNDER < E4M3_MAX))) & finite
             if not bool(bad.any()):  # the one host-device sync of a recipe's backward
-                state[:4].copy_(amax)
+                state[:4].copy_(torch.where(finite & torch.isfinite(amax), amax, state[:4]))
                 state[4].add_(attempt)
                 return dq, dk, dv, use, amax
             use = torch.where(bad, _scales_from(amax, margin), use)

@@ -14,7 +14,9 @@ large came back clipped at 448, not NaN). Computed in fp32:
             dS = P (dP - D) scale, quantised with scale_dp (cuDNN's "dP" factors scale dS; its
             amax_dP is max |dS|, run 40); dQ = dS8 K, dK = dS8^T Q, each quantised with its scale.
 
-Rows that see no key have O = 0, lse = +inf and zero gradients. cuDNN computes the softmax in
+Rows that see no key have O = 0, lse = +inf and zero gradients. Non-finite scores (an operand or
+a descale that is inf or NaN) are not rows without keys: they stay NaN through O, lse and the
+gradients. cuDNN computes the softmax in
 tiles with an online maximum, so its P8 (and what follows) differs from this one by rounding; the
 tests bound that difference (docs/fp8.md says by how much).
 """
@@ -81,7 +83,7 @@ def forward(q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, seq_le
     s, mask, _, _ = _scores(q, k, descale_q, descale_k, scale, causal, seq_len_q, seq_len_kv)
     vf = _real(v, descale_v).repeat_interleave(q.shape[1] // v.shape[1], 1)
     top = s.amax(-1, keepdim=True)
-    live = torch.isfinite(top)
+    live = ~torch.isneginf(top)  # a row that sees a key; a NaN score stays NaN (issue #29: not a dead row)
     p = torch.exp(s - torch.where(live, top, torch.zeros_like(top))).masked_fill(mask, 0.0)
     total = p.sum(-1, keepdim=True)
     safe = torch.where(live, total, torch.ones_like(total))
@@ -105,7 +107,8 @@ def backward(grad_out, q, k, v, out, descales, scales, seq_len_q, seq_len_kv, sc
     s, mask, qf, kf = _scores(q, k, descale_q, descale_k, scale, causal, seq_len_q, seq_len_kv)
     group = q.shape[1] // h_k
     vf = _real(v, descale_v).repeat_interleave(group, 1)
-    p = torch.softmax(s, -1).nan_to_num(0.0).masked_fill(mask, 0.0)
+    # rows without keys (all masked) are 0; a NaN score stays NaN (nan_to_num would hide it, issue #29)
+    p = torch.softmax(s, -1).masked_fill(mask | mask.all(-1, keepdim=True), 0.0)
     dof = _real(grad_out, descale_do)
     of = _real(out, descale_o)
     if seq_len_q is not None:  # rows past seq_len_q carry no gradient

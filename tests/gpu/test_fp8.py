@@ -193,6 +193,36 @@ def test_a_saturating_scale_is_rerun_and_the_gradients_are_unchanged():
         assert _rel(a, b) <= 0.02, "a re-run must give the calibrated result"
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
+def test_a_non_finite_input_gives_a_nan_output_and_nan_gradients_when_served(which, bad):
+    """Issue #29 on the cuDNN graphs: one inf or NaN in q, k or v makes the whole output and every
+    gradient NaN (never zeros, never finite), the calls are served, and the recipe's state keeps its
+    last finite amax, so the next finite step needs no re-run."""
+    recipe = csp.fp8.Recipe()
+    q, k, v = _bf16(2, 8, 2, 512, 128, seed=11)
+    go = torch.randn(2, 8, 512, 128, device=DEV, dtype=torch.bfloat16)
+    csp.fp8.attention(q, k, v, is_causal=True, recipe=recipe).backward(go)  # calibrates the recipe
+    state = recipe.state(DEV).clone()
+    bad_inputs = _bf16(2, 8, 2, 512, 128, seed=12)
+    with torch.no_grad():
+        bad_inputs[which][1, 1, 100, 7] = bad
+    before = counters.stats()
+    out = csp.fp8.attention(*bad_inputs, is_causal=True, recipe=recipe)
+    out.backward(go)
+    torch.cuda.synchronize()
+    delta = (counters.stats() - before).to_dict()
+    assert delta["fp8_fwd"] == {"served": 1, "fallback": {}} and delta["fp8_bwd"] == {"served": 1, "fallback": {}}
+    assert torch.isnan(out).all(), f"{int(torch.isnan(out).sum())} of {out.numel()} NaN"
+    for name, t in zip("qkv", bad_inputs):
+        assert torch.isnan(t.grad).all(), f"d{name}: {int(torch.isnan(t.grad).sum())} of {t.grad.numel()} NaN"
+    assert torch.equal(recipe.state(DEV), state), "the NaN step leaves the recipe's amax and re-run count alone"
+    for t in (q, k, v):
+        t.grad = None
+    csp.fp8.attention(q, k, v, is_causal=True, recipe=recipe).backward(go)
+    assert recipe.retries == int(state[4].item()) and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_fp8_backward_with_a_head_dim_the_sm90_engine_lacks_falls_back_with_its_reason():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the D=128-only FP8 backward is sm_90's")

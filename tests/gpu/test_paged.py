@@ -79,7 +79,7 @@ def test_paged_served_and_equal_to_reference_and_native(name, shape, kw):
     window, bottom_right = _window(kw), kw.get("bottom_right", False)
     poison_allocator(DEV)
     before = counters.stats()
-    out = csp.attention(q, kc, vc, block_table=table, seq_lens_q=lq, seq_lens_kv=lk, sinks=sinks, **kw)
+    out = csp.attention(q, kc, vc, kv_layout="HND", block_table=table, seq_lens_q=lq, seq_lens_kv=lk, sinks=sinks, **kw)
     torch.cuda.synchronize()
     delta = (counters.stats() - before).to_dict()
     assert delta["paged_fwd"] == {"served": 1, "fallback": {}}, delta
@@ -98,10 +98,33 @@ def test_paged_output_follows_q_dimension_order():
     gen = torch.Generator(device=DEV).manual_seed(4)
     q, kc, vc, table, lq, lk = make_paged(2, 8, 2, 32, 128, 16, 8, device=DEV, gen=gen)
     q_bshd = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, S, D) view of (B, S, H, D) storage
-    out = csp.attention(q_bshd, kc, vc, block_table=table, seq_lens_kv=lk, is_causal=True, bottom_right=True)
+    out = csp.attention(q_bshd, kc, vc, block_table=table, seq_lens_kv=lk, is_causal=True, bottom_right=True,
+                        kv_layout="HND")
     assert out.stride() == torch.empty_like(q_bshd).stride()
     ref = paged_reference(q, kc, vc, table, lq, lk, window=(-1, 0), bottom_right=True, dtype=torch.float32)
     assert_rel_close(out.float(), ref, TOL[torch.bfloat16], "out of a BSHD query")
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@torch.no_grad()
+def test_an_nhd_cache_is_served_in_place_and_equals_the_hnd_reading(block_size):
+    """kv_layout="NHD": a (N, block_size, H_kv, D) cache (FlashAttention's, vLLM's) served on the
+    paged graph as its transposed view, with the answer of the same logical cache stored HND
+    (issue #29; block size 4 with H_q 8, H_kv 2 is the issue's case, whose shape fits both)."""
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    q, kc, vc, table, lq, lk = make_paged(3, 8, 2, 5, 128, block_size, 64 // block_size, device=DEV, gen=gen,
+                                          lens_q=[5, 1, 3])
+    nhd_k, nhd_v = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    before = counters.stats()
+    hnd = csp.attention(q, kc, vc, block_table=table, seq_lens_q=lq, seq_lens_kv=lk, kv_layout="HND",
+                        is_causal=True, bottom_right=True)
+    nhd = csp.attention(q, nhd_k, nhd_v, block_table=table, seq_lens_q=lq, seq_lens_kv=lk, kv_layout="NHD",
+                        is_causal=True, bottom_right=True)
+    torch.cuda.synchronize()
+    assert (counters.stats() - before).to_dict()["paged_fwd"] == {"served": 2, "fallback": {}}
+    ref = paged_reference(q, kc, vc, table, lq, lk, window=(-1, 0), bottom_right=True, dtype=torch.float32)
+    assert_rel_close(nhd.float(), ref, TOL[torch.bfloat16], "NHD cache vs fp32 reference")
+    assert_rel_close(nhd.float(), hnd.float(), TOL[torch.bfloat16], "NHD vs HND reading of the same cache")
 
 
 @torch.no_grad()
@@ -109,7 +132,7 @@ def test_block_size_not_a_power_of_two_falls_back_with_its_reason():
     gen = torch.Generator(device=DEV).manual_seed(5)
     q, kc, vc, table, lq, lk = make_paged(2, 8, 2, 1, 128, 48, 6, device=DEV, gen=gen)
     before = counters.stats()
-    out = csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk)
+    out = csp.attention(q, kc, vc, kv_layout="HND", block_table=table, seq_lens_kv=lk)
     delta = (counters.stats() - before).to_dict()
     assert delta["paged_fwd"] == {"served": 0, "fallback": {"paged_block_size": 1}}, delta
     ref = paged_reference(q, kc, vc, table, lq, lk, dtype=torch.float32)
@@ -121,7 +144,7 @@ def test_paged_call_with_grad_runs_the_composite_and_its_gradients_are_right():
     q, kc, vc, table, lq, lk = make_paged(2, 4, 2, 8, 64, 16, 4, device=DEV, gen=gen)
     leaves = [t.detach().requires_grad_() for t in (q, kc, vc)]
     before = counters.stats()
-    out = csp.attention(*leaves, block_table=table, seq_lens_kv=lk, is_causal=True, bottom_right=True)
+    out = csp.attention(*leaves, kv_layout="HND", block_table=table, seq_lens_kv=lk, is_causal=True, bottom_right=True)
     delta = (counters.stats() - before).to_dict()
     assert delta["paged_fwd"] == {"served": 0, "fallback": {"paged_backward": 1}}, delta
     go = torch.randn_like(out)
@@ -139,7 +162,7 @@ def test_validate_true_raises_for_a_used_entry_outside_the_cache():
     q, kc, vc, table, lq, lk = make_paged(2, 8, 2, 1, 128, 16, 4, device=DEV, gen=gen, lens_kv=[64, 20])
     table[1, 1] = kc.shape[0]
     with pytest.raises(ValueError, match=r"block_table\[1, 1\]"):
-        csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk, validate=True)
+        csp.attention(q, kc, vc, kv_layout="HND", block_table=table, seq_lens_kv=lk, validate=True)
 
 
 BAD_TABLE_CHILD = """
@@ -152,7 +175,7 @@ table[0, 3] = 10**9          # far outside the cache
 table[1, 0] = -7
 lk[2] = 64 * 16 + 5          # past the table's capacity
 table[3, 63] = 10**9         # outside the cache, but row 3's 1000 keys use blocks 0..62 only
-out = csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk, validate=False)
+out = csp.attention(q, kc, vc, kv_layout="HND", block_table=table, seq_lens_kv=lk, validate=False)
 torch.cuda.synchronize()     # an illegal read would raise here (and poison the context)
 assert torch.isnan(out[:3]).all(), "rows 0-2 must be NaN"
 ref_lk = lk.clone(); ref_lk[2] = 0  # the reference reads row 2's table only within its capacity
@@ -179,12 +202,12 @@ def test_decode_captured_in_a_cuda_graph_replays_with_new_values():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: the graph is built before capture
-        csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk)
+        csp.attention(q, kc, vc, kv_layout="HND", block_table=table, seq_lens_kv=lk)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     before = counters.stats()
     with torch.cuda.graph(graph):
-        out = csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk)
+        out = csp.attention(q, kc, vc, kv_layout="HND", block_table=table, seq_lens_kv=lk)
     for step in range(3):
         q.copy_(torch.randn(q.shape, device=DEV, generator=gen))
         kc.copy_(torch.randn(kc.shape, device=DEV, generator=gen))
@@ -204,7 +227,7 @@ def test_compiled_decode_is_served_on_every_call():
     q, kc, vc, table, lq, lk = make_paged(4, 8, 2, 1, 128, 16, 32, device=DEV, gen=gen)
 
     def decode(q, kc, vc, table, lk):
-        return csp.attention(q, kc, vc, block_table=table, seq_lens_kv=lk)
+        return csp.attention(q, kc, vc, kv_layout="HND", block_table=table, seq_lens_kv=lk)
 
     compiled = torch.compile(decode, fullgraph=True)
     compiled(q, kc, vc, table, lk)
@@ -222,7 +245,7 @@ def test_strided_table_and_lengths_are_read_as_their_values():
     q, kc, vc, table, lq, lk = make_paged(4, 8, 2, 1, 128, 16, 16, device=DEV, gen=gen)
     table_t = table.t().contiguous().t()  # same values, column-major
     pairs = torch.stack([lk, lk], dim=1)  # lengths as a strided column
-    out = csp.attention(q, kc, vc, block_table=table_t, seq_lens_kv=pairs[:, 0])
+    out = csp.attention(q, kc, vc, kv_layout="HND", block_table=table_t, seq_lens_kv=pairs[:, 0])
     ref = paged_reference(q, kc, vc, table, lq, lk, dtype=torch.float32)
     assert_rel_close(out.float(), ref, TOL[torch.bfloat16], "strided table and lengths")
 
@@ -240,7 +263,8 @@ def test_packed_queries_over_a_paged_cache_served_and_equal_to_the_reference(cau
     kw = dict(is_causal=True, bottom_right=True) if causal else {}
     poison_allocator(DEV)
     before = counters.stats()
-    out = csp.attention(packed, kc, vc, block_table=table, cu_seqlens_q=cu, max_seqlen_q=64, seq_lens_kv=lk, **kw)
+    out = csp.attention(packed, kc, vc, block_table=table, cu_seqlens_q=cu, max_seqlen_q=64, seq_lens_kv=lk,
+                        kv_layout="HND", **kw)
     delta = (counters.stats() - before).to_dict()
     assert delta["paged_fwd"] == {"served": 1, "fallback": {}}, delta
     ref = paged_reference(q4, kc, vc, table, lq, lk, window=(-1, 0) if causal else (-1, -1), bottom_right=causal,
