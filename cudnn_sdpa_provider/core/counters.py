@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .reasons import PATHS
 
-__all__ = ["Stats", "record", "stats", "reset_stats", "log_once", "note_plan"]
+__all__ = ["Stats", "record", "stats", "reset_stats", "log_once", "note_plan", "note_build", "PLANS_KEPT"]
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
@@ -28,8 +29,13 @@ _lock = threading.Lock()
 _served = {p: 0 for p in PATHS}
 _fallback: dict[str, dict[str, int]] = {p: {} for p in PATHS}
 _refused: dict[str, dict[str, int]] = {p: {} for p in PATHS}
-_plans: dict[str, str] = {}
+_plans: "OrderedDict[str, str]" = OrderedDict()
+_builds = {"built": 0, "rejected": 0, "build_ms": 0.0}
 _logged: set = set()
+
+#: Configurations whose plan ``report()`` lists (the most recently built): a long generation or a
+#: dynamic-padding run must not grow the report, nor this process, without bound.
+PLANS_KEPT = 32
 
 
 def record(path: str, reason: str | None = None, refused: bool = False) -> None:
@@ -47,9 +53,20 @@ def record(path: str, reason: str | None = None, refused: bool = False) -> None:
 
 
 def note_plan(config: str, plan_name: str) -> None:
-    """Remember which cuDNN plan served a configuration (shown by ``report()``)."""
+    """Remember which cuDNN plan served a configuration (``report()`` shows the ``PLANS_KEPT`` most
+    recent)."""
     with _lock:
         _plans[config] = plan_name
+        _plans.move_to_end(config)
+        while len(_plans) > PLANS_KEPT:
+            _plans.popitem(last=False)
+
+
+def note_build(seconds: float, rejected: bool = False) -> None:
+    """Count one cuDNN graph build (or cuDNN's rejection of one) and the host time it took."""
+    with _lock:
+        _builds["rejected" if rejected else "built"] += 1
+        _builds["build_ms"] += seconds * 1e3
 
 
 def log_once(key, level: int, message: str, *args) -> None:
@@ -69,6 +86,8 @@ class Stats:
     fallback: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: MappingProxyType({}) for p in PATHS}))
     plans: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     refused: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: MappingProxyType({}) for p in PATHS}))
+    builds: MappingProxyType = field(default_factory=lambda: MappingProxyType({"built": 0, "rejected": 0,
+                                                                                "build_ms": 0.0}))
 
     def to_dict(self) -> dict:
         return {p: {"served": int(self.served[p]), "fallback": dict(self.fallback[p])} for p in PATHS}
@@ -88,8 +107,9 @@ class Stats:
         if not isinstance(earlier, Stats):
             raise TypeError(f"can only subtract Stats, got {type(earlier).__name__}")
         served = {p: self.served[p] - earlier.served[p] for p in PATHS}
+        builds = {k: self.builds[k] - earlier.builds[k] for k in self.builds}
         return Stats(MappingProxyType(served), _delta(self.fallback, earlier.fallback), self.plans,
-                     _delta(self.refused, earlier.refused))
+                     _delta(self.refused, earlier.refused), MappingProxyType(builds))
 
     __sub__ = diff
 
@@ -127,11 +147,12 @@ def stats() -> Stats:
         fallback = MappingProxyType({p: MappingProxyType(dict(_fallback[p])) for p in PATHS})
         refused = MappingProxyType({p: MappingProxyType(dict(_refused[p])) for p in PATHS})
         plans = MappingProxyType(dict(_plans))
-    return Stats(served, fallback, plans, refused)
+        builds = MappingProxyType(dict(_builds))
+    return Stats(served, fallback, plans, refused, builds)
 
 
 def reset_stats() -> None:
-    """Zero every counter (the plan list and the log-once memory are kept)."""
+    """Zero every counter (the plan list, the build counts and the log-once memory are kept)."""
     with _lock:
         for p in PATHS:
             _served[p] = 0
@@ -144,8 +165,14 @@ def format_table(s: Stats) -> str:
     rows = [("path", "served", "fallback", "fallback reasons")] + [(p, str(a), str(b), c) for p, a, b, c in s.rows()]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
+    b = s.builds
+    if b["built"] or b["rejected"]:
+        lines.append("")
+        lines.append(f"cuDNN graphs built: {b['built']} ({b['build_ms']:.0f} ms of host time)"
+                     + (f", rejected by cuDNN: {b['rejected']}" if b["rejected"] else ""))
     if s.plans:
         lines.append("")
-        lines.append("cuDNN plans:")
+        lines.append(f"cuDNN plans (the {PLANS_KEPT} configurations built last):" if len(s.plans) >= PLANS_KEPT
+                     else "cuDNN plans:")
         lines += [f"  {plan}  <- {config}" for config, plan in sorted(s.plans.items())]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -170,11 +171,13 @@ def plan(key) -> Plan:
             raise NotSupportedError(*found)  # collect every raising call's frames in its traceback)
         return found
     generation = _generation
+    started = time.perf_counter()
     try:
         built = _build(key, _handle(key.device))
         built.generation = generation
     except NotSupportedError as exc:
         built = (exc.reason, exc.detail)  # remember rejections too: not rebuilt on every call
+    counters.note_build(time.perf_counter() - started, rejected=isinstance(built, tuple))
     with _builds_lock:
         _builds["rejected" if isinstance(built, tuple) else "built"] += 1
     if not isinstance(built, tuple):

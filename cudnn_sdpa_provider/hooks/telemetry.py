@@ -19,7 +19,8 @@ def report_data() -> dict:
     from . import activation
     from ..core.counters import stats
 
-    data = stats().to_dict()
+    snapshot = stats()
+    data = snapshot.to_dict()
     meta = {
         "provider": __version__,
         "python": platform.python_version(),
@@ -27,6 +28,9 @@ def report_data() -> dict:
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "enabled": activation.enabled(),
         "device": None,
+        # cuDNN graphs this process built (and cuDNN rejected), and the host time the builds took
+        "graph_builds": {"built": int(snapshot.builds["built"]), "rejected": int(snapshot.builds["rejected"]),
+                         "build_ms": round(float(snapshot.builds["build_ms"]), 1)},
     }
     if torch.cuda.is_available():
         from ..engine.machine import capabilities
@@ -39,7 +43,7 @@ def report_data() -> dict:
             cudnn=version_str(caps.cudnn_version),
             cudnn_frontend=caps.frontend_version,
         )
-    refused = stats().refused_dict()
+    refused = snapshot.refused_dict()
     if refused:  # strict mode: the calls it refused (also counted under fallback) and why
         meta["refused"] = refused
     data["meta"] = meta

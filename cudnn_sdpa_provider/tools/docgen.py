@@ -36,6 +36,9 @@ META_KEYS = {
     "time": "when the file was written (UTC, ISO 8601, seconds)",
     "enabled": "whether the provider was still enabled when the file was written",
     "device": "GPU name, or `null` on a machine without CUDA",
+    "graph_builds": "`{\"built\": n, \"rejected\": n, \"build_ms\": x}`: cuDNN graphs this process built, those cuDNN "
+                    "rejected, and the host time the builds took (a new sequence length reuses its length bucket's "
+                    "graph: docs/ways-in.md, `CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS`)",
 }
 #: Keys added only where ``torch.cuda.is_available()``.
 META_CUDA_KEYS = {
@@ -214,6 +217,7 @@ def _example_meta() -> dict:
         "time": "2026-12-01T12:00:00+00:00",
         "enabled": True,
         "device": "NVIDIA H200",
+        "graph_builds": {"built": 4, "rejected": 0, "build_ms": 183.5},
         "compute_capability": [9, 0],
         "cudnn": "9.19.0",
         "cudnn_frontend": "1.32.0",
