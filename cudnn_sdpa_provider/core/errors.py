@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["NotSupportedError", "FallbackError"]
+__all__ = ["NotSupportedError", "FallbackError", "REFUSED_EXIT_STATUS"]
+
+#: The exit status of a program that strict mode stopped (``cudnn-sdpa run --strict``, ``demo
+#: --strict`` and ``CUDNN_SDPA_PROVIDER=strict python script.py`` alike); ``tools.cli.EXIT_REFUSED``.
+REFUSED_EXIT_STATUS = 5
 
 
 class NotSupportedError(RuntimeError):
@@ -38,6 +42,11 @@ class FallbackError(RuntimeError):
         lines += [f"  - {d}" for d in self.details]
         lines.append(f"  inputs: {inputs}")
         super().__init__("\n".join(lines))
+
+    def one_line(self) -> str:
+        """The refusal in one line: the path, the reason slugs and their details (not the inputs)."""
+        line = str(self).splitlines()[0]
+        return line + (f" ({'; '.join(self.details)})" if self.details else "")
 
     def __reduce__(self):
         return (type(self), (self.path, self.reasons, self.inputs, self.details))
