@@ -466,3 +466,18 @@ def test_doctor_table(capsys):
     assert "\n[versions]\n" in out and "\n[device]\n" in out and "\n[features]\n" in out
     if not torch.cuda.is_available():
         assert "NO  all" in out and "no: no_cuda (no CUDA device)" in out
+
+
+@pytest.mark.parametrize("command", ["run", "demo"])
+def test_run_and_demo_warn_about_invalid_variables_on_cpu(tmp_path, capsys, monkeypatch, command):
+    from cudnn_sdpa_provider.core import env
+
+    monkeypatch.setenv(env.AUTOTUNE, "maybe")
+    monkeypatch.setenv(env.DETERMINISTIC_WORKSPACE_MB, "-1")
+    monkeypatch.setattr(env, "_warned", set())
+    argv = ["run", write_script(tmp_path, "print(1)\n")] if command == "run" else ["demo", "--steps", "1",
+                                                                                   "--device", "cpu"]
+    with pytest.warns(RuntimeWarning) as caught:
+        assert cli.main(argv) == cli.EXIT_OK
+    texts = sorted(str(w.message).split("=")[0] for w in caught)
+    assert texts == [env.AUTOTUNE, env.DETERMINISTIC_WORKSPACE_MB], texts

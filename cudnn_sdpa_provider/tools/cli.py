@@ -175,6 +175,9 @@ def _run_script(args) -> int:
     from ..core.errors import FallbackError
     from ..hooks.telemetry import write_report
 
+    from ..core import env
+
+    env.warn_invalid()  # every variable now, not when (or if) a GPU path reads it
     argv, path = sys.argv, list(sys.path)
     sys.argv = [args.script] + list(args.args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))  # as `python script.py` does
@@ -231,6 +234,9 @@ def _cmd_demo(args) -> int:
     from ..core.counters import stats
     from ..core.errors import FallbackError
 
+    from ..core import env
+
+    env.warn_invalid()
     before, losses = stats(), []
     try:
         result = run_demo(steps=args.steps, device=args.device, strict=args.strict, progress=_demo_progress(losses))
