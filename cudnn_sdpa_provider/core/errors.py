@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NotSupportedError", "FallbackError", "REFUSED_EXIT_STATUS"]
-
-#: The exit status of a program that strict mode stopped (``cudnn-sdpa run --strict``, ``demo
-#: --strict`` and ``CUDNN_SDPA_PROVIDER=strict python script.py`` alike); ``tools.cli.EXIT_REFUSED``.
-REFUSED_EXIT_STATUS = 5
+__all__ = ["NotSupportedError", "FallbackError"]
 
 
 class NotSupportedError(RuntimeError):

@@ -21,7 +21,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2  # bad arguments, a missing script, an unwritable --report, --device cuda without CUDA
 EXIT_SELF_TEST_FAILED = 3  # doctor
 EXIT_NO_CUDA = 4  # bench: nothing to time without a CUDA GPU
-EXIT_REFUSED = 5  # --strict: a call would have fallen back (csp.FallbackError); core.errors.REFUSED_EXIT_STATUS
+EXIT_REFUSED = 5  # --strict: a call would have fallen back (csp.FallbackError)
 
 #: ``demo --steps`` at most: the demo holds every step's batch (4 KB each) and takes about a second
 #: a step on a CPU; tests/test_cli.py checks it against ``tools.demo.MAX_STEPS`` (not imported: torch).
@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"Exit status {EXIT_USAGE} for bad options or --device cuda without CUDA. {_REFUSED_EPILOG} "
                "With --json, stdout is the JSON either way (a refused run's has a \"refused\" key). Progress: a "
                f"line on stderr every {DEMO_PROGRESS_EVERY} steps.")
-    demo.add_argument("--steps", type=_steps, default=5, metavar="N", help=f"training steps, 1 to {DEMO_MAX_STEPS} (default 5)")
+    demo.add_argument("--steps", type=_steps, default=5, metavar="N",
+                      help=f"training steps, 1 to {DEMO_MAX_STEPS} (default 5)")
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     demo.add_argument("--strict", action="store_true",
                       help="stop at the first call that would fall back (csp.FallbackError; exit status 5)")
@@ -174,7 +175,6 @@ def _run_script(args) -> int:
     from ..diagnostics import report
     from ..core.errors import FallbackError
     from ..hooks.telemetry import write_report
-
     from ..core import env
 
     env.warn_invalid()  # every variable now, not when (or if) a GPU path reads it
