@@ -167,6 +167,14 @@ def test_invalid_values_of_every_variable_warn_on_cpu(tmp_path):
         assert result.stderr.count(text) == 1, f"{text!r} once in:\n{result.stderr}"
 
 
+def test_an_invalid_variable_under_warnings_as_errors_still_enables(tmp_path):
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_AUTOTUNE="maybe",
+                        PYTHONWARNINGS="error::RuntimeWarning")
+    assert "after torch: True" in ok(result), "the provider started all the same"
+    assert "startup hook skipped" not in result.stderr
+    assert "RuntimeWarning: CUDNN_SDPA_PROVIDER_AUTOTUNE='maybe' is not a valid value" in result.stderr
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
 def test_report_to_a_character_device_keeps_the_device(tmp_path):
     import stat

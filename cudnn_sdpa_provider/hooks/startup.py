@@ -178,7 +178,10 @@ def run() -> None:
     mode = env.activation()  # warns, naming the valid values, on anything it does not know
     if mode == "off":
         return
-    env.warn_invalid()  # the other variables too, now, not when (or if) a GPU path reads them
+    try:
+        env.warn_invalid()  # the other variables too, now, not when (or if) a GPU path reads them
+    except Warning as exc:  # -W error: still one line, and the provider still starts
+        print(f"cudnn-sdpa-provider: {type(exc).__name__}: {exc}", file=sys.stderr)
     _pending = mode
     if mode == "strict":
         sys.excepthook = _strict_excepthook(sys.excepthook)
