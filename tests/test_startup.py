@@ -266,7 +266,7 @@ def test_cli_run_under_the_variable_enables_for_each_and_writes_both_reports(tmp
 
 
 @pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file", "read_only"])
-def test_unwritable_report_path_warns_once_at_exit_and_leaves_nothing(tmp_path, kind):
+def test_unwritable_report_path_warns_at_start_and_at_exit_and_leaves_nothing(tmp_path, kind):
     target = {"directory": tmp_path, "missing_dir": tmp_path / "nope" / "run.json",
               "under_a_file": tmp_path / "script.py" / "run.json", "read_only": tmp_path / "kept.json"}[kind]
     if kind == "read_only":
@@ -275,12 +275,22 @@ def test_unwritable_report_path_warns_once_at_exit_and_leaves_nothing(tmp_path, 
     before = sorted(p.name for p in tmp_path.iterdir())
     result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(target))
     ok(result)
-    warnings = [line for line in result.stderr.splitlines() if "report not written" in line]
-    assert warnings == [line for line in result.stderr.splitlines() if line.strip()], result.stderr
-    assert len(warnings) == 1 and repr(str(target)) in warnings[0], result.stderr
+    early, warnings, *rest = [line for line in result.stderr.splitlines() if line.strip()]
+    assert not rest, result.stderr
+    assert early.startswith(f"cudnn-sdpa-provider: warning: CUDNN_SDPA_PROVIDER_REPORT={str(target)!r}: cannot "
+                            "write there now: ") and early.endswith(" (tried again at exit)"), result.stderr
+    assert warnings.startswith(f"cudnn-sdpa-provider: warning: report not written to {str(target)!r}: "), result.stderr
     assert "Traceback" not in result.stderr
     after = sorted(p.name for p in tmp_path.iterdir())
     assert after == sorted(set(before) | {"script.py", "site"}), "no temporary file left behind"
+
+
+def test_a_report_folder_the_script_creates_gets_the_report(tmp_path):
+    source = "import os\nos.makedirs('out')\n" + SCRIPT
+    result = run_script(tmp_path, source, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT="out/run.json")
+    ok(result)
+    assert "cannot write there now" in result.stderr and "report not written" not in result.stderr
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["dense_fwd"]["fallback"] == {"no_cuda": 2}
 
 
 def _installed_pth() -> pathlib.Path | None:

@@ -74,6 +74,18 @@ def _report_if_never_enabled(path: str) -> None:
         _report_at_exit(path)
 
 
+def _check_report_path(path: str) -> None:
+    """Say now, not only after the script's work, when the report path cannot be written; it is
+    tried again at exit all the same (the script may create the folder)."""
+    from ..core import env
+    from .telemetry import report_path_problem
+
+    problem = report_path_problem(path)
+    if problem:
+        print(f"cudnn-sdpa-provider: warning: {env.REPORT}={path!r}: cannot write there now: {problem} "
+              "(tried again at exit)", file=sys.stderr)
+
+
 def _strict_excepthook(previous):
     """``sys.excepthook`` in strict mode: an uncaught ``FallbackError`` is one line, not a traceback
     (interactive sessions keep the traceback); anything else goes to the previous hook."""
@@ -187,6 +199,7 @@ def run() -> None:
         sys.excepthook = _strict_excepthook(sys.excepthook)
     path = env.report_path()
     if path:
+        _check_report_path(path)
         atexit.register(_report_if_never_enabled, path)
     if _torch_loaded() and getattr(_local, "depth", 0) == 0:
         _finish()

@@ -23,7 +23,6 @@ import platform
 import stat
 import sys
 import tempfile
-from importlib import metadata
 from typing import NamedTuple
 
 __all__ = ["report_data", "write_report", "report_path_problem", "ReportPathError"]
@@ -36,6 +35,8 @@ class ReportPathError(OSError):
 
 
 def _installed_version(name: str) -> str | None:
+    from importlib import metadata  # here: the startup hook imports this module
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
