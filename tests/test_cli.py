@@ -232,7 +232,8 @@ def test_run_options_after_the_script_get_one_hint_line(tmp_path, capsys, after,
     assert repr(after) in out, "still the script's arguments (as with coverage run)"
     hints = [line for line in err.splitlines() if line.startswith("cudnn-sdpa run: note:")]
     assert len(hints) == 1, err
-    assert "after the script go to the script" in hints[0] and "put them before it" in hints[0], hints
+    assert "after the script is passed to the script, not to run" in hints[0], hints
+    assert "run's options go before the script" in hints[0], hints
     assert not (tmp_path / "r.json").exists()
 
 

@@ -160,8 +160,8 @@ def _cmd_run(args) -> int:
         return EXIT_USAGE
     misplaced = _misplaced_options(args.args)
     if misplaced:
-        print(f"cudnn-sdpa run: note: {' '.join(misplaced)} after the script go to the script; for run's own "
-              f"options put them before it: cudnn-sdpa run [--strict] [--report FILE] script [args ...]",
+        print(f"cudnn-sdpa run: note: {' '.join(misplaced)} after the script is passed to the script, not to run; "
+              "run's options go before the script: cudnn-sdpa run [--strict] [--report FILE] script [args ...]",
               file=sys.stderr)
     problem = report_path_problem(args.report) if args.report is not None else None
     if problem:  # said before the script runs, not after an hour of training
