@@ -124,7 +124,8 @@ USAGE_MESSAGES = [
     (["doctor", "--bogus"], "usage: cudnn-sdpa doctor [-h]",
      "cudnn-sdpa doctor: error: unrecognized arguments: --bogus"),
     (["run"], "usage: cudnn-sdpa run [-h]", "cudnn-sdpa run: error: a script is required"),
-    (["run", "--bogus", "x.py"], "usage: cudnn-sdpa run [-h]", "cudnn-sdpa run: error: unrecognized arguments: --bogus"),
+    (["run", "--bogus", "x.py"], "usage: cudnn-sdpa run [-h]",
+     "cudnn-sdpa run: error: unrecognized arguments: --bogus"),
     (["demo", "--steps", "100000000000"], "usage: cudnn-sdpa demo [-h]",
      "cudnn-sdpa demo: error: argument --steps: expected an integer from 1 to 10000, got '100000000000'"),
     (["demo", "--steps", "0"], "usage: cudnn-sdpa demo [-h]",
@@ -132,7 +133,8 @@ USAGE_MESSAGES = [
 ]
 
 
-@pytest.mark.parametrize("argv, usage, message", USAGE_MESSAGES, ids=[" ".join(a) or "none" for a, _, _ in USAGE_MESSAGES])
+@pytest.mark.parametrize("argv, usage, message", USAGE_MESSAGES,
+                         ids=[" ".join(a) or "none" for a, _, _ in USAGE_MESSAGES])
 def test_usage_errors_name_the_problem_with_the_commands_usage(argv, usage, message, capsys):
     assert cli.main(argv) == cli.EXIT_USAGE
     out, err = capsys.readouterr()
@@ -269,7 +271,8 @@ def test_run_unwritable_report_is_refused_before_the_script_runs(tmp_path, capsy
     assert err.count("\n") == 1 and err.startswith(f"cudnn-sdpa run: --report {target}: cannot write there: "), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["script.py"], "the script did not run; nothing created"
     if kind == "read_only":
-        assert err.endswith("it is read-only (mode 0444)\n") and (tmp_path / "script.py").stat().st_mode & 0o777 == 0o444
+        assert err.endswith("it is read-only (mode 0444)\n")
+        assert (tmp_path / "script.py").stat().st_mode & 0o777 == 0o444
 
 
 def test_run_report_to_a_fifo_nobody_reads_is_one_line_at_the_end(tmp_path, capsys):
@@ -363,7 +366,8 @@ def test_demo_strict_json_prints_the_json_with_the_refusal(capsys):
     assert data["device"] == "cpu" and data["losses"] == []
     assert data["refused"]["path"] == "dense_fwd" and data["refused"]["reasons"] == ["no_cuda"]
     assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": 1}}
-    assert [line for line in err.splitlines() if line.strip()] == [f"cudnn-sdpa demo: refused: {data['refused']['message']}"]
+    refusal = f"cudnn-sdpa demo: refused: {data['refused']['message']}"
+    assert [line for line in err.splitlines() if line.strip()] == [refusal]
 
 
 def test_demo_prints_progress_on_stderr_every_ten_steps(capsys, monkeypatch):

@@ -281,7 +281,8 @@ def test_the_number_of_ways_in_is_the_number_listed():
     sections = re.findall(r"^## (\d+)\. ", page, flags=re.MULTILINE)
     words = {"Three": 3, "Four": 4, "Five": 5}
     assert page.startswith(f"# {heading} ways in\n")
-    assert [int(n) for n in items] == [int(n) for n in sections] == list(range(1, words[heading] + 1)), (items, sections)
+    expected = list(range(1, words[heading] + 1))
+    assert [int(n) for n in items] == [int(n) for n in sections] == expected, (items, sections)
 
 
 def test_readme_puts_run_options_before_the_script():
