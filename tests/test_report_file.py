@@ -209,3 +209,25 @@ def test_a_script_without_torch_gets_a_report_without_importing_torch(tmp_path):
     data = json.loads(path.read_text())
     assert data["meta"]["enabled"] is False and data["meta"]["torch"]
     assert all(data[p] == {"served": 0, "fallback": {}} for p in PATHS), data
+
+
+@pytest.mark.parametrize("redirect", ["file", "pipe"])
+def test_dev_stdout_gets_the_report_after_the_output(tmp_path, redirect):
+    import subprocess
+    import sys
+
+    code = ("import sys; print('printed first'); from cudnn_sdpa_provider.hooks import telemetry; "
+            "telemetry.write_report('/dev/stdout')")
+    if redirect == "file":
+        out = tmp_path / "out.txt"
+        with open(out, "w") as fh:
+            result = subprocess.run([sys.executable, "-c", code], stdout=fh, stderr=subprocess.PIPE, text=True,
+                                    timeout=120)
+        text = out.read_text()  # was: the file replaced by the report, the printed line lost
+    else:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        text = result.stdout
+    assert result.returncode == 0, result.stderr
+    first, rest = text.split("\n", 1)
+    assert first == "printed first" and _is_report(rest), text
+    assert os.listdir(tmp_path) == (["out.txt"] if redirect == "file" else [])

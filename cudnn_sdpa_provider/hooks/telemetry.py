@@ -7,6 +7,8 @@ Where the file goes is what a user expects of ``> FILE`` in a shell, with two sa
 - a symlink is followed: its target is written, the link stays;
 - a character device (``/dev/null``, a terminal) or a FIFO is written directly, never replaced
   (writing as root used to swap the system's ``/dev/null`` for a regular file);
+- this process's own stdout or stderr (``/dev/stdout``, whatever it is) gets the report after what
+  the program printed there: written to the descriptor, never a new file;
 - refused, in one line: a directory, a block device (a disk is never a report), a socket, a
   regular file with no write permission bit (read-only: kept, even for root), and anything the
   process may not write.
@@ -79,7 +81,8 @@ def report_data() -> dict:
 
 
 class _Target(NamedTuple):
-    kind: str  # "new" (no file yet), "regular" (replaced atomically), "stream" (device or FIFO: written directly)
+    kind: str  # "new" (no file yet), "regular" (replaced atomically), "stream" (device or FIFO: written
+    #            directly), "stdio" (this process's stdout or stderr: written to that descriptor)
     path: str  # for new and regular: the real path (symlinks resolved), where the rename happens
     st: os.stat_result | None
 
@@ -101,6 +104,8 @@ def _target(path: str) -> _Target:
         return _new_file(path)
     except OSError as exc:  # a symlink loop, a component that is not a directory, ...
         raise ReportPathError(exc.errno, _reason(exc), path) from None
+    if _stdio_fd(st) is not None:
+        return _Target("stdio", path, st)
     for test, why in _REFUSED_KINDS.items():
         if test(st.st_mode):
             raise ReportPathError(errno.EINVAL, why, path)
@@ -117,6 +122,19 @@ def _target(path: str) -> _Target:
     real = os.path.realpath(path)
     _check_directory(os.path.dirname(real), path)
     return _Target("regular", real, st)
+
+
+def _stdio_fd(st: os.stat_result) -> int | None:
+    """1 or 2 when ``st`` is this process's stdout or stderr (``/dev/stdout``, or the file it is
+    redirected to): replacing that file would lose what the program printed before."""
+    for fd in (1, 2):
+        try:
+            own = os.fstat(fd)
+        except OSError:
+            continue
+        if (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+    return None
 
 
 def _new_file(path: str) -> _Target:
@@ -161,10 +179,21 @@ def write_report(path: str) -> None:
     """
     text = json.dumps(report_data(), indent=2, sort_keys=True) + "\n"
     target = _target(path)
-    if target.kind == "stream":
+    if target.kind == "stdio":
+        _write_stdio(_stdio_fd(target.st), text)
+    elif target.kind == "stream":
         _write_stream(path, text)
     else:
         _replace(target, text)
+
+
+def _write_stdio(fd: int, text: str) -> None:
+    stream = {1: sys.stdout, 2: sys.stderr}[fd]
+    if stream is not None:
+        stream.flush()  # what the program printed comes first
+    data = text.encode()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _write_stream(path: str, text: str) -> None:

@@ -268,7 +268,8 @@ def telemetry_page() -> str:
         "dict is written at exit, plus a `\"meta\"` key; keys are sorted, indent 2. A new or regular file "
         "is written atomically (a temporary file renamed into place) and keeps its permission bits; a "
         "symlink is followed to its target; a character device (`/dev/null`, a terminal) or a FIFO is "
-        "written directly, never replaced. Refused in one line: a directory, a block device, a socket, a "
+        "written directly, never replaced; the process's own stdout or stderr (`/dev/stdout`, or the file it "
+        "is redirected to) gets the report after what the program printed. Refused in one line: a directory, a block device, a socket, a "
         "read-only file (no write bit, even for root) and a file the process may not write. A script that "
         "never imports torch gets a report too, all zero, with `\"enabled\": false`. Example from a CUDA "
         "machine:",
