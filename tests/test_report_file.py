@@ -7,6 +7,8 @@ import json
 import os
 import stat
 
+import pathlib
+
 import pytest
 
 from cudnn_sdpa_provider.hooks import telemetry
@@ -58,6 +60,16 @@ def test_report_path_problem_accepts_a_new_file(tmp_path):
 
 
 # ------------------------------------------- every kind of path: written where a user expects, or refused
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict:
+    """The environment of a child interpreter that imports this checkout's package."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDNN_SDPA_PROVIDER")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="device nodes are made with mknod, which needs root")
@@ -204,7 +216,8 @@ def test_a_script_without_torch_gets_a_report_without_importing_torch(tmp_path):
     path = tmp_path / "run.json"
     code = ("import sys; from cudnn_sdpa_provider.hooks import telemetry; telemetry.write_report(sys.argv[1]); "
             "print('torch imported:', 'torch' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                            env=_env())
     assert result.returncode == 0 and "torch imported: False" in result.stdout, result.stderr
     data = json.loads(path.read_text())
     assert data["meta"]["enabled"] is False and data["meta"]["torch"]
@@ -222,10 +235,10 @@ def test_dev_stdout_gets_the_report_after_the_output(tmp_path, redirect):
         out = tmp_path / "out.txt"
         with open(out, "w") as fh:
             result = subprocess.run([sys.executable, "-c", code], stdout=fh, stderr=subprocess.PIPE, text=True,
-                                    timeout=120)
+                                    timeout=120, env=_env())
         text = out.read_text()  # was: the file replaced by the report, the printed line lost
     else:
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
         text = result.stdout
     assert result.returncode == 0, result.stderr
     first, rest = text.split("\n", 1)
