@@ -13,6 +13,7 @@ runs on the FP8 reference (reason ``no_cuda``), with the same quantisation.
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import torch
@@ -69,4 +70,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; unknown options: exit 2
     main()

@@ -50,6 +50,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    try:
+        import transformers  # noqa: F401  (checked here, after --help, so that its absence is one line)
+    except ImportError as exc:
+        parser.exit(1, f"{parser.prog}: needs transformers ({exc}); install it: "
+                       "pip install 'transformers>=5' (or the package's [transformers] extra)\n")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu")
     device = torch.device(args.device)

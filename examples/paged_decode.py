@@ -16,6 +16,8 @@ dense.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 
@@ -97,4 +99,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; unknown options: exit 2
     main()

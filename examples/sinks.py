@@ -12,6 +12,8 @@ it falls back (reason ``no_cuda``) to the aten composite, and the report says so
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import cudnn_sdpa_provider as csp
@@ -41,4 +43,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; unknown options: exit 2
     main()

@@ -10,6 +10,8 @@ to run.json at exit. ``cudnn-sdpa run examples/unmodified_script.py`` does the s
 Without the variable the script runs exactly as plain PyTorch.
 """
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,4 +47,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; unknown options: exit 2
     main()

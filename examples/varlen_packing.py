@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import inspect
 
 import torch
@@ -90,4 +91,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; unknown options: exit 2
     main()

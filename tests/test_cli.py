@@ -38,7 +38,9 @@ options:
 """
 
 RUN_HELP = """\
-usage: cudnn-sdpa run [-h] [--strict] [--report FILE] script ...
+usage: cudnn-sdpa run [-h] [--strict] [--report FILE] script [args ...]
+
+Options go before the script: everything after it is the script's (as with coverage run).
 
 positional arguments:
   script         the script to run
@@ -49,9 +51,10 @@ options:
   --strict       stop at the first call that would fall back (csp.FallbackError; exit status 5)
   --report FILE  also write the telemetry JSON to FILE
 
-The exit status is the script's; 2 for bad options, a missing script or a --report FILE that
-cannot be written (checked before the script starts). Exit status 5 when --strict refused a call
-that would have fallen back (one line on stderr: the path and the reasons).
+The exit status is the script's; 2 for bad options, a missing script (or a folder without
+__main__.py) or a --report FILE that cannot be written (checked before the script starts). Exit
+status 5 when --strict refused a call that would have fallen back (one line on stderr: the path
+and the reasons).
 """
 
 #: A small CPU script for ``run``: attention forward + backward, then exits with the code in argv[1].
@@ -110,6 +113,42 @@ def test_usage_errors(argv, capsys):
     assert cli.main(argv) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert err.startswith("usage: cudnn-sdpa") and "error:" in err
+
+
+#: (argv, the usage line's start, the error line): each names what is wrong, with the right usage
+USAGE_MESSAGES = [
+    (["--bogus"], "usage: cudnn-sdpa [-h]", "cudnn-sdpa: error: unrecognized arguments: --bogus"),
+    (["--bogus", "demo"], "usage: cudnn-sdpa [-h]", "cudnn-sdpa: error: unrecognized arguments: --bogus"),
+    ([], "usage: cudnn-sdpa [-h]", "cudnn-sdpa: error: a command is required: one of run, demo, doctor, bench"),
+    (["demo", "--bogus"], "usage: cudnn-sdpa demo [-h]", "cudnn-sdpa demo: error: unrecognized arguments: --bogus"),
+    (["doctor", "--bogus"], "usage: cudnn-sdpa doctor [-h]",
+     "cudnn-sdpa doctor: error: unrecognized arguments: --bogus"),
+    (["run"], "usage: cudnn-sdpa run [-h]", "cudnn-sdpa run: error: a script is required"),
+    (["run", "--bogus", "x.py"], "usage: cudnn-sdpa run [-h]",
+     "cudnn-sdpa run: error: unrecognized arguments: --bogus"),
+    (["demo", "--steps", "100000000000"], "usage: cudnn-sdpa demo [-h]",
+     "cudnn-sdpa demo: error: argument --steps: expected an integer from 1 to 10000, got '100000000000'"),
+    (["demo", "--steps", "0"], "usage: cudnn-sdpa demo [-h]",
+     "cudnn-sdpa demo: error: argument --steps: expected an integer from 1 to 10000, got '0'"),
+]
+
+
+@pytest.mark.parametrize("argv, usage, message", USAGE_MESSAGES,
+                         ids=[" ".join(a) or "none" for a, _, _ in USAGE_MESSAGES])
+def test_usage_errors_name_the_problem_with_the_commands_usage(argv, usage, message, capsys):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(usage), err
+    assert err.splitlines()[-1] == message, err
+    assert "required" not in err or "a script is required" in err or "a command is required" in err, err
+
+
+def test_demo_max_steps_is_the_demos():
+    from cudnn_sdpa_provider.tools import demo
+
+    assert cli.DEMO_MAX_STEPS == demo.MAX_STEPS
+    with pytest.raises(ValueError, match="steps must be an int from 1 to 10000, got 10001"):
+        demo.run_demo(steps=demo.MAX_STEPS + 1)
 
 
 def test_version_names_the_three_versions_without_importing_torch():
@@ -174,6 +213,38 @@ def test_run_missing_script_is_a_usage_error(tmp_path, capsys):
     assert f"cudnn-sdpa run: no such script: {missing}" in capsys.readouterr().err
 
 
+def test_run_a_folder_without_main_is_not_a_script(tmp_path, capsys):
+    assert cli.main(["run", str(tmp_path)]) == cli.EXIT_USAGE  # was exit 1 and an ImportError from runpy
+    out, err = capsys.readouterr()
+    assert err == f"cudnn-sdpa run: {tmp_path} is a directory without __main__.py, not a script\n", err
+
+
+def test_run_a_folder_with_main_runs_it(tmp_path, capsys):
+    (tmp_path / "__main__.py").write_text("print('main ran')\n")
+    assert cli.main(["run", str(tmp_path)]) == cli.EXIT_OK
+    assert "main ran" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("after", [["--report", "r.json"], ["--report=r.json"], ["x", "--strict"]])
+def test_run_options_after_the_script_get_one_hint_line(tmp_path, capsys, after, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write_script(tmp_path, "import sys\nprint(sys.argv[1:])\n")
+    assert cli.main(["run", script, *after]) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    assert repr(after) in out, "still the script's arguments (as with coverage run)"
+    hints = [line for line in err.splitlines() if line.startswith("cudnn-sdpa run: note:")]
+    assert len(hints) == 1, err
+    assert "after the script is passed to the script, not to run" in hints[0], hints
+    assert "run's options go before the script" in hints[0], hints
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_run_options_before_the_script_give_no_hint(tmp_path, capsys):
+    script = write_script(tmp_path, "print('ok')\n")
+    assert cli.main(["run", "--report", str(tmp_path / "r.json"), script, "--other"]) == cli.EXIT_OK
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_run_strict_refusal_is_one_line_and_its_exit_code(tmp_path, capsys):
     script, report = write_script(tmp_path), tmp_path / "run.json"
     assert cli.main(["run", "--strict", "--report", str(report), script]) == cli.EXIT_REFUSED
@@ -188,15 +259,40 @@ def test_run_strict_refusal_is_one_line_and_its_exit_code(tmp_path, capsys):
     assert data["dense_fwd"]["fallback"] == {"no_cuda": 1} and data["meta"]["refused"] == {"dense_fwd": {"no_cuda": 1}}
 
 
-@pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file"])
+@pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file", "read_only"])
 def test_run_unwritable_report_is_refused_before_the_script_runs(tmp_path, capsys, kind):
     script = write_script(tmp_path, "open('ran', 'w').close()\n")
     target = {"directory": tmp_path, "missing_dir": tmp_path / "nope" / "run.json",
-              "under_a_file": tmp_path / "script.py" / "run.json"}[kind]
+              "under_a_file": tmp_path / "script.py" / "run.json", "read_only": tmp_path / "script.py"}.get(kind)
+    if kind == "read_only":
+        os.chmod(target, 0o444)  # refused even for root: the user marked it read-only
     assert cli.main(["run", "--report", str(target), script]) == cli.EXIT_USAGE
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith(f"cudnn-sdpa run: --report {target}: cannot write there: "), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["script.py"], "the script did not run; nothing created"
+    if kind == "read_only":
+        assert err.endswith("it is read-only (mode 0444)\n")
+        assert (tmp_path / "script.py").stat().st_mode & 0o777 == 0o444
+
+
+def test_run_report_to_a_fifo_nobody_reads_is_one_line_at_the_end(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # not refused up front (a reader may come), never waited for at the end
+    script = write_script(tmp_path, "print('ran')\n")
+    assert cli.main(["run", "--report", str(fifo), script]) == cli.EXIT_OK, "the script's exit status"
+    out, err = capsys.readouterr()
+    assert "ran" in out and "Traceback" not in err
+    assert f"cudnn-sdpa run: warning: report not written to {str(fifo)!r}: no process is reading the FIFO" in err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_run_report_to_a_character_device_keeps_the_device(tmp_path, capsys):
+    import stat
+
+    null = tmp_path / "null"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # what `--report /dev/null` replaced, as root
+    assert cli.main(["run", "--report", str(null), write_script(tmp_path)]) == cli.EXIT_OK
+    assert stat.S_ISCHR(os.lstat(null).st_mode) and sorted(os.listdir(tmp_path)) == ["null", "script.py"]
 
 
 def test_run_script_exception_propagates_and_disables(tmp_path, capsys):
@@ -258,6 +354,32 @@ def test_demo_cuda_without_cuda_is_a_usage_error(capsys):
         pytest.skip("needs a machine without CUDA")
     assert cli.main(["demo", "--device", "cuda"]) == cli.EXIT_USAGE
     assert "--device cuda but CUDA is not available" in capsys.readouterr().err
+
+
+def test_demo_strict_json_prints_the_json_with_the_refusal(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the demo is served")
+    assert cli.main(["demo", "--strict", "--json", "--device", "cpu", "--steps", "2"]) == cli.EXIT_REFUSED
+    out, err = capsys.readouterr()
+    data = json.loads(out)  # was empty: stdout is JSON whatever happens
+    assert set(data) == {"device", "losses", "refused"} | set(PATHS)
+    assert data["device"] == "cpu" and data["losses"] == []
+    assert data["refused"]["path"] == "dense_fwd" and data["refused"]["reasons"] == ["no_cuda"]
+    assert data["dense_fwd"] == {"served": 0, "fallback": {"no_cuda": 1}}
+    refusal = f"cudnn-sdpa demo: refused: {data['refused']['message']}"
+    assert [line for line in err.splitlines() if line.strip()] == [refusal]
+
+
+def test_demo_prints_progress_on_stderr_every_ten_steps(capsys, monkeypatch):
+    from cudnn_sdpa_provider.tools import demo
+
+    real = demo.run_demo
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: real(**{**kw, "seq": 16, "batch": 1}))  # fast: 40 tiny steps
+    assert cli.main(["demo", "--steps", "40", "--device", "cpu", "--json"]) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["losses"]) == 40, "stdout is the JSON alone"
+    progress = [line for line in err.splitlines() if line.startswith("cudnn-sdpa demo: step ")]
+    assert [line.split(",")[0] for line in progress] == [f"cudnn-sdpa demo: step {n}/40" for n in (10, 20, 30, 40)]
 
 
 def test_demo_strict_on_cpu_is_one_refusal_line(capsys):
@@ -349,3 +471,18 @@ def test_doctor_table(capsys):
     assert "\n[versions]\n" in out and "\n[device]\n" in out and "\n[features]\n" in out
     if not torch.cuda.is_available():
         assert "NO  all" in out and "no: no_cuda (no CUDA device)" in out
+
+
+@pytest.mark.parametrize("command", ["run", "demo"])
+def test_run_and_demo_warn_about_invalid_variables_on_cpu(tmp_path, capsys, monkeypatch, command):
+    from cudnn_sdpa_provider.core import env
+
+    monkeypatch.setenv(env.AUTOTUNE, "maybe")
+    monkeypatch.setenv(env.DETERMINISTIC_WORKSPACE_MB, "-1")
+    monkeypatch.setattr(env, "_warned", set())
+    argv = ["run", write_script(tmp_path, "print(1)\n")] if command == "run" else ["demo", "--steps", "1",
+                                                                                   "--device", "cpu"]
+    with pytest.warns(RuntimeWarning) as caught:
+        assert cli.main(argv) == cli.EXIT_OK
+    texts = sorted(str(w.message).split("=")[0] for w in caught)
+    assert texts == [env.AUTOTUNE, env.DETERMINISTIC_WORKSPACE_MB], texts

@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from cudnn_sdpa_provider.tools import docgen
 from cudnn_sdpa_provider.core import support
 from cudnn_sdpa_provider.core.reasons import CATALOG, PATHS
@@ -207,3 +209,89 @@ def test_docs_cite_no_document_outside_the_project():
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "results").glob("*.md"))]
     citing = [str(p.relative_to(REPO)) for p in pages if "FACTS" in p.read_text()]
     assert not citing, f"cite a public source or a results/ file instead: {citing}"
+
+
+# ------------------------------------------------------- documented contracts against the code
+
+
+def _section(page: str, heading: str) -> str:
+    """The text of a markdown section, from its heading to the next heading of any level."""
+    import re
+
+    body = page.split(heading + "\n", 1)[1]
+    return re.split(r"\n#{1,6} ", body, maxsplit=1)[0]
+
+
+def test_readme_to_dict_is_every_path_in_order():
+    import re
+
+    section = _section((REPO / "README.md").read_text(), "## Telemetry")
+    shape = section.split("`csp.stats().to_dict()` is exactly", 1)[1].split(";", 1)[0]
+    keys = [k for k in re.findall(r'"(\w+)": (?:\{|\.\.\.)', shape) if k not in ("served", "fallback")]
+    assert keys == list(PATHS), shape
+
+
+def test_no_page_states_another_number_of_paths():
+    import re
+
+    words = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9}
+    pages = {"README.md": (REPO / "README.md").read_text(), "telemetry (generated)": docgen.telemetry_page(),
+             **{p.name: p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}}
+    wrong = []
+    for name, text in pages.items():
+        for word in re.findall(r"\bof (\w+) paths\b", text, flags=re.IGNORECASE):
+            if words.get(word.lower(), int(word) if word.isdigit() else None) not in (None, len(PATHS)):
+                wrong.append(f"{name}: 'of {word} paths' (there are {len(PATHS)})")
+    assert not wrong, wrong
+
+
+def test_quickstart_shows_the_demos_table_on_cpu(capsys):
+    import torch
+
+    from cudnn_sdpa_provider.tools import cli
+
+    if torch.cuda.is_available():
+        pytest.skip("the page shows the CPU run")
+    page = (REPO / "docs" / "quickstart.md").read_text()
+    shown = page.split("```text\ndemo: TinyGQA, 5 steps on cpu\n", 1)[1].split("```", 1)[0].splitlines()
+    assert cli.main(["demo", "--device", "cpu"]) == cli.EXIT_OK
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "demo: TinyGQA, 5 steps on cpu"
+    table = printed[2:2 + len(shown) - 1]  # (after it, a process that built graphs also lists their plans)
+    assert shown[0] == "losses: ..." and shown[1:] == table, "docs/quickstart.md's table is not the demo's"
+    assert [line.split()[0] for line in shown[2:]] == list(PATHS)
+
+
+def test_ways_in_variables_table_is_the_code_s():
+    from cudnn_sdpa_provider.core import env
+
+    table = _md_table((REPO / "docs" / "ways-in.md").read_text(), "| variable | values |")
+    assert [cells[0].strip("`") for cells in table] == list(env.VARIABLES)
+    bad = {name: "not-a-valid-value" for name in env.VARIABLES}
+    warned = [message.split("=")[0] for message in env.invalid(bad)]
+    assert warned == [v for v in env.VARIABLES if v != env.REPORT], "the docs say every other variable warns"
+
+
+def test_the_number_of_ways_in_is_the_number_listed():
+    import re
+
+    readme, page = (REPO / "README.md").read_text(), (REPO / "docs" / "ways-in.md").read_text()
+    heading = re.search(r"\n## (\w+) ways in", readme).group(1)
+    items = re.findall(r"^(\d+)\. \*\*", _section(readme, f"## {heading} ways in (and FP8)"), flags=re.MULTILINE)
+    sections = re.findall(r"^## (\d+)\. ", page, flags=re.MULTILINE)
+    words = {"Three": 3, "Four": 4, "Five": 5}
+    assert page.startswith(f"# {heading} ways in\n")
+    expected = list(range(1, words[heading] + 1))
+    assert [int(n) for n in items] == [int(n) for n in sections] == expected, (items, sections)
+
+
+def test_readme_puts_run_options_before_the_script():
+    readme = (REPO / "README.md").read_text()
+    assert "`cudnn-sdpa run [--strict] [--report FILE] train.py [args]`" in readme
+    assert "run train.py [args]` (`--strict`" not in readme
+
+
+def test_readme_says_how_to_install_on_cpu_and_what_the_tests_cost():
+    install = _section((REPO / "README.md").read_text(), "## Install")
+    assert install.index("CPU build of torch") < install.index("python3 -m pip install ."), "torch first"
+    assert "several GB of disk, per torch\nversion, under `.nox/`" in (REPO / "README.md").read_text()

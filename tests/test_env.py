@@ -57,6 +57,7 @@ def test_parse_positive_int_invalid(raw):
 def clean_env(monkeypatch):
     for name in (env.ACTIVATION, env.REPORT, env.LOG, env.CACHE_SIZE, env.DETERMINISTIC_WORKSPACE_MB, env.AUTOTUNE):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(env, "_warned", set())  # warnings are once per process
     return monkeypatch
 
 
@@ -104,7 +105,7 @@ def test_deterministic_workspace_mb_reads_and_warns(clean_env):
     assert env.deterministic_workspace_mb() == 2048
     clean_env.setenv(env.DETERMINISTIC_WORKSPACE_MB, "0")
     with pytest.warns(RuntimeWarning, match="CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB='0' is not a positive "
-                                            "integer; using None"):
+                                            "integer; using the default \\(half of the device's free memory\\)"):
         assert env.deterministic_workspace_mb() is None
 
 
@@ -131,3 +132,27 @@ def test_env_py_is_the_only_reader_of_os_environ():
     pkg = pathlib.Path(cudnn_sdpa_provider.__file__).parent
     readers = sorted(p.name for p in pkg.rglob("*.py") if "os.environ" in p.read_text() or "getenv" in p.read_text())
     assert readers == ["env.py"], "env.py is the only reader of os.environ"
+
+
+INVALID = {env.ACTIVATION: "maybe", env.LOG: "loud", env.CACHE_SIZE: "lots", env.DETERMINISTIC_WORKSPACE_MB: "-1",
+           env.AUTOTUNE: "maybe"}
+
+
+def test_every_variable_but_the_report_path_has_an_invalid_value_that_warns():
+    messages = env.invalid(INVALID)
+    assert [m.split("=")[0] for m in messages] == [v for v in env.VARIABLES if v != env.REPORT]
+    for message in messages:
+        assert "use " in message or "is not a positive integer" in message, f"names what is valid: {message}"
+    assert env.invalid({}) == [] and env.invalid({env.REPORT: "anything"}) == []
+
+
+def test_warn_invalid_warns_each_message_once_per_process(clean_env):
+    for name, raw in INVALID.items():
+        clean_env.setenv(name, raw)
+    with pytest.warns(RuntimeWarning) as caught:
+        env.warn_invalid()
+        env.warn_invalid()
+        assert env.autotune() is False and env.cache_size() == env.DEFAULT_CACHE_SIZE
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == len(set(texts)) == 4, texts  # the activation variable is the startup hook's to read
+    assert not any(t.startswith(env.ACTIVATION + "=") for t in texts)

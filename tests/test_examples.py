@@ -172,3 +172,39 @@ def test_unmodified_script_without_opt_in_writes_nothing(tmp_path):
     result = _run_with_startup_hook(tmp_path, CUDNN_SDPA_PROVIDER="0", CUDNN_SDPA_PROVIDER_REPORT=str(report))
     assert "step 1: loss" in result.stdout, result.stdout
     assert not report.exists()
+
+
+ALL_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("*.py"))
+
+
+def test_every_example_is_covered():
+    assert ALL_EXAMPLES == sorted([*CASES, "unmodified_script.py"]), "a new example needs a case here"
+
+
+@pytest.mark.parametrize("name", ALL_EXAMPLES)
+def test_example_takes_help_and_rejects_unknown_options(name, tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=tmp_path, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and helped.stdout.startswith(f"usage: {name}"), helped.stdout + helped.stderr
+    assert not _report_rows(helped.stdout), "--help ran the job"
+    refused = run("--bogus")
+    assert refused.returncode == 2, f"exit {refused.returncode}: the job ran\n{refused.stdout}"
+    assert refused.stdout == "" and refused.stderr.startswith("usage: "), refused.stderr
+    assert refused.stderr.splitlines()[-1] == f"{name}: error: unrecognized arguments: --bogus", refused.stderr
+
+
+#: Runs a script with ``transformers`` unimportable, as on a machine without it.
+_WITHOUT_TRANSFORMERS = ("import runpy, sys; sys.modules['transformers'] = None; sys.argv = sys.argv[1:]; "
+                         "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def test_hf_example_without_transformers_is_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_TRANSFORMERS, str(EXAMPLES / "hf_model.py")],
+                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("hf_model.py: needs transformers") and "pip install" in lines[0], lines

@@ -120,11 +120,70 @@ def test_script_without_torch_never_imports_torch(tmp_path):
     assert "torch imported: False" in out
 
 
-def test_strict_raises_fallback_error_in_the_script(tmp_path):
-    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="strict")
+def test_strict_refusal_ends_the_script_in_one_line(tmp_path):
+    source = SCRIPT.replace("import torch\n", "import torch\nlog = open('log.txt', 'w'); log.write('unclosed')\n", 1)
+    result = run_script(tmp_path, source, CUDNN_SDPA_PROVIDER="strict")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == ["cudnn-sdpa-provider: refused: cudnn-sdpa-provider (strict): dense_fwd would fall back; "
+                     "reasons: no_cuda (inputs are on 'cpu')"], result.stderr  # as `cudnn-sdpa run --strict` says it
+    # Python's status for an uncaught exception, not run --strict's 5: changing it from the hook
+    # skips the cleanup that flushes the script's unclosed files (the next test shows it)
     assert result.returncode == 1
-    assert "FallbackError" in result.stderr and "no_cuda" in result.stderr
-    assert "dense_fwd would fall back" in result.stderr
+    assert (tmp_path / "log.txt").read_text() == "unclosed", "the interpreter's cleanup ran"
+
+
+def test_why_the_strict_exit_status_stays_1(tmp_path):
+    """The one way to set another status from sys.excepthook, raising SystemExit there, loses the
+    buffered writes of files the script left open (as os._exit would): the env route keeps 1."""
+    source = ("import sys\nlog = open('log.txt', 'w'); log.write('unclosed')\n"
+              "def hook(*exc):\n    raise SystemExit(5)\nsys.excepthook = hook\nraise RuntimeError('x')\n")
+    result = run_script(tmp_path, source, via_pth=False)
+    assert result.returncode == 5 and (tmp_path / "log.txt").read_text() == "", "if this changes, exit 5 here too"
+
+
+def test_strict_keeps_the_traceback_of_other_errors(tmp_path):
+    result = run_script(tmp_path, "import torch\nraise KeyError('mine')\n", CUDNN_SDPA_PROVIDER="strict")
+    assert result.returncode == 1 and "Traceback" in result.stderr and "KeyError: 'mine'" in result.stderr
+
+
+def test_a_script_without_torch_still_gets_its_report(tmp_path):
+    report = tmp_path / "run.json"
+    out = ok(run_script(tmp_path, NO_TORCH_SCRIPT, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(report)))
+    assert "torch imported: False" in out
+    data = json.loads(report.read_text())  # was: no report, and nothing said
+    assert data["meta"]["enabled"] is False, "never enabled: torch was never imported"
+    assert all(data[p] == {"served": 0, "fallback": {}} for p in PATHS), data
+
+
+def test_invalid_values_of_every_variable_warn_on_cpu(tmp_path):
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_AUTOTUNE="maybe",
+                        CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB="-1", CUDNN_SDPA_PROVIDER_CACHE_SIZE="lots",
+                        CUDNN_SDPA_PROVIDER_LOG="loud")
+    ok(result)
+    for text in ("CUDNN_SDPA_PROVIDER_AUTOTUNE='maybe' is not a valid value; use 1 (on) or 0 (off)",
+                 "CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB='-1' is not a positive integer",
+                 "CUDNN_SDPA_PROVIDER_CACHE_SIZE='lots' is not a positive integer; using 256",
+                 "CUDNN_SDPA_PROVIDER_LOG='loud' is not a valid value; use one of"):
+        assert result.stderr.count(text) == 1, f"{text!r} once in:\n{result.stderr}"
+
+
+def test_an_invalid_variable_under_warnings_as_errors_still_enables(tmp_path):
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_AUTOTUNE="maybe",
+                        PYTHONWARNINGS="error::RuntimeWarning")
+    assert "after torch: True" in ok(result), "the provider started all the same"
+    assert "startup hook skipped" not in result.stderr
+    assert "RuntimeWarning: CUDNN_SDPA_PROVIDER_AUTOTUNE='maybe' is not a valid value" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_report_to_a_character_device_keeps_the_device(tmp_path):
+    import stat
+
+    null = tmp_path / "null"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # what CUDNN_SDPA_PROVIDER_REPORT=/dev/null replaced
+    result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(null))
+    ok(result)
+    assert "report not written" not in result.stderr and stat.S_ISCHR(os.lstat(null).st_mode)
 
 
 def test_log_info_logs_each_configuration_once(tmp_path):
@@ -206,19 +265,32 @@ def test_cli_run_under_the_variable_enables_for_each_and_writes_both_reports(tmp
     _no_cuda_report(run_report)
 
 
-@pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file"])
-def test_unwritable_report_path_warns_once_at_exit_and_leaves_nothing(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["directory", "missing_dir", "under_a_file", "read_only"])
+def test_unwritable_report_path_warns_at_start_and_at_exit_and_leaves_nothing(tmp_path, kind):
     target = {"directory": tmp_path, "missing_dir": tmp_path / "nope" / "run.json",
-              "under_a_file": tmp_path / "script.py" / "run.json"}[kind]
+              "under_a_file": tmp_path / "script.py" / "run.json", "read_only": tmp_path / "kept.json"}[kind]
+    if kind == "read_only":
+        target.write_text("kept\n")
+        target.chmod(0o444)
     before = sorted(p.name for p in tmp_path.iterdir())
     result = run_script(tmp_path, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT=str(target))
     ok(result)
-    warnings = [line for line in result.stderr.splitlines() if "report not written" in line]
-    assert warnings == [line for line in result.stderr.splitlines() if line.strip()], result.stderr
-    assert len(warnings) == 1 and repr(str(target)) in warnings[0], result.stderr
+    early, warnings, *rest = [line for line in result.stderr.splitlines() if line.strip()]
+    assert not rest, result.stderr
+    assert early.startswith(f"cudnn-sdpa-provider: warning: CUDNN_SDPA_PROVIDER_REPORT={str(target)!r}: cannot "
+                            "write there now: ") and early.endswith(" (tried again at exit)"), result.stderr
+    assert warnings.startswith(f"cudnn-sdpa-provider: warning: report not written to {str(target)!r}: "), result.stderr
     assert "Traceback" not in result.stderr
     after = sorted(p.name for p in tmp_path.iterdir())
     assert after == sorted(set(before) | {"script.py", "site"}), "no temporary file left behind"
+
+
+def test_a_report_folder_the_script_creates_gets_the_report(tmp_path):
+    source = "import os\nos.makedirs('out')\n" + SCRIPT
+    result = run_script(tmp_path, source, CUDNN_SDPA_PROVIDER="1", CUDNN_SDPA_PROVIDER_REPORT="out/run.json")
+    ok(result)
+    assert "cannot write there now" in result.stderr and "report not written" not in result.stderr
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["dense_fwd"]["fallback"] == {"no_cuda": 2}
 
 
 def _installed_pth() -> pathlib.Path | None:

@@ -39,6 +39,7 @@ __all__ = [
     "DETERMINISTIC_WORKSPACE_MB",
     "AUTOTUNE",
     "SHAPE_BUCKETS",
+    "VARIABLES",
     "Parsed",
     "parse_activation",
     "parse_log_level",
@@ -52,6 +53,8 @@ __all__ = [
     "autotune",
     "parse_shape_buckets",
     "shape_buckets",
+    "invalid",
+    "warn_invalid",
 ]
 
 ACTIVATION = "CUDNN_SDPA_PROVIDER"
@@ -61,6 +64,8 @@ CACHE_SIZE = "CUDNN_SDPA_PROVIDER_CACHE_SIZE"
 DETERMINISTIC_WORKSPACE_MB = "CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB"
 AUTOTUNE = "CUDNN_SDPA_PROVIDER_AUTOTUNE"
 SHAPE_BUCKETS = "CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS"
+#: Every variable, in the order of docs/ways-in.md's table (tests/test_docs.py checks that table against it).
+VARIABLES = (ACTIVATION, REPORT, LOG, CACHE_SIZE, DETERMINISTIC_WORKSPACE_MB, AUTOTUNE, SHAPE_BUCKETS)
 
 _ON = ("1", "on", "true", "yes")
 _OFF = ("", "0", "off", "false", "no")
@@ -98,7 +103,9 @@ def parse_log_level(raw: str | None) -> Parsed:
     return Parsed(None, f"{LOG}={raw!r} is not a valid value; use one of {list(_LEVELS)}.")
 
 
-def parse_positive_int(name: str, raw: str | None, default: int | None) -> Parsed:
+def parse_positive_int(name: str, raw: str | None, default: int | None, default_text: str | None = None) -> Parsed:
+    """A positive integer; anything else is ``default``, with a warning naming what is valid and
+    the default (``default_text`` where the default is not a number, e.g. computed later)."""
     text = (raw or "").strip()
     if text == "":
         return Parsed(default, None)
@@ -107,7 +114,7 @@ def parse_positive_int(name: str, raw: str | None, default: int | None) -> Parse
     except ValueError:
         value = 0
     if value <= 0:
-        return Parsed(default, f"{name}={raw!r} is not a positive integer; using {default}.")
+        return Parsed(default, f"{name}={raw!r} is not a positive integer; using {default_text or default}.")
     return Parsed(value, None)
 
 
@@ -121,9 +128,18 @@ def parse_flag(name: str, raw: str | None) -> Parsed:
     return Parsed(False, f"{name}={raw!r} is not a valid value; use 1 (on) or 0 (off). It stays off.")
 
 
+_warned: set[str] = set()  # each message once per process, whichever reader comes first
+
+
+def _warn(message: str, stacklevel: int) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def _read(parsed: Parsed) -> object:
     if parsed.warning:
-        warnings.warn(parsed.warning, RuntimeWarning, stacklevel=3)
+        _warn(parsed.warning, stacklevel=3)
     return parsed.value
 
 
@@ -143,8 +159,15 @@ def cache_size() -> int:
     return _read(parse_positive_int(CACHE_SIZE, os.environ.get(CACHE_SIZE), DEFAULT_CACHE_SIZE))  # type: ignore[return-value]
 
 
+_WORKSPACE_DEFAULT = "the default (half of the device's free memory)"
+
+
 def deterministic_workspace_mb() -> int | None:
-    return _read(parse_positive_int(DETERMINISTIC_WORKSPACE_MB, os.environ.get(DETERMINISTIC_WORKSPACE_MB), None))  # type: ignore[return-value]
+    return _read(_parse_workspace(os.environ.get(DETERMINISTIC_WORKSPACE_MB)))  # type: ignore[return-value]
+
+
+def _parse_workspace(raw: str | None) -> Parsed:
+    return parse_positive_int(DETERMINISTIC_WORKSPACE_MB, raw, None, _WORKSPACE_DEFAULT)
 
 
 def autotune() -> bool:
@@ -165,3 +188,24 @@ def parse_shape_buckets(raw: str | None) -> Parsed:
 
 def shape_buckets() -> str:
     return _read(parse_shape_buckets(os.environ.get(SHAPE_BUCKETS)))  # type: ignore[return-value]
+
+
+def invalid(environ) -> list[str]:
+    """The warnings for the invalid values in ``environ`` (a mapping), one per variable, in
+    ``VARIABLES`` order (the report path takes any path: it is checked when written)."""
+    parsed = [
+        parse_activation(environ.get(ACTIVATION)),
+        parse_log_level(environ.get(LOG)),
+        parse_positive_int(CACHE_SIZE, environ.get(CACHE_SIZE), DEFAULT_CACHE_SIZE),
+        _parse_workspace(environ.get(DETERMINISTIC_WORKSPACE_MB)),
+        parse_flag(AUTOTUNE, environ.get(AUTOTUNE)),
+        parse_shape_buckets(environ.get(SHAPE_BUCKETS)),
+    ]
+    return [p.warning for p in parsed if p.warning]
+
+
+def warn_invalid(skip: tuple[str, ...] = (ACTIVATION,)) -> None:
+    """Warn now about every invalid value (but those of ``skip``, already read), instead of when a
+    GPU path first reads it: on a CPU machine the last four are never read."""
+    for message in invalid({k: v for k, v in os.environ.items() if k not in skip}):
+        _warn(message, stacklevel=2)

@@ -39,5 +39,10 @@ class FallbackError(RuntimeError):
         lines.append(f"  inputs: {inputs}")
         super().__init__("\n".join(lines))
 
+    def one_line(self) -> str:
+        """The refusal in one line: the path, the reason slugs and their details (not the inputs)."""
+        line = str(self).splitlines()[0]
+        return line + (f" ({'; '.join(self.details)})" if self.details else "")
+
     def __reduce__(self):
         return (type(self), (self.path, self.reasons, self.inputs, self.details))

@@ -11,9 +11,16 @@ top of a script, ``cudnn-sdpa run``), the script's first ``import torch`` happen
 those imports, and enabling then would import a module that is still executing ("cannot import
 name ... partially initialized module"). So the hook wraps the loaders of torch and of this
 package's submodules, counts the imports in progress on each thread, and enables when the
-count returns to zero with torch loaded. A script that never imports torch pays nothing; a
-failure to enable prints one line and never breaks the import that triggered it. Calling
-``run()`` twice is harmless.
+count returns to zero with torch loaded. A script that never imports torch pays nothing (with
+``CUDNN_SDPA_PROVIDER_REPORT`` it still gets a report at exit: all zero, written without importing
+torch); a failure to enable prints one line and never breaks the import that triggered it.
+Calling ``run()`` twice is harmless.
+
+In strict mode, a ``FallbackError`` that ends the program is one line on stderr, as with
+``cudnn-sdpa run --strict``, but the exit status stays Python's 1 for an uncaught exception: the
+only way to change it from an excepthook (raising ``SystemExit`` there, or ``os._exit`` later)
+exits before the interpreter's cleanup flushes the script's unclosed files (tests/test_startup.py
+shows both). ``cudnn-sdpa run --strict`` catches the error itself and exits 5.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ _PACKAGE = __name__.partition(".")[0]  # the top package, cudnn_sdpa_provider
 
 _done = False
 _pending: str | None = None  # the mode waiting for torch ("on" / "strict"), None once handled
+_activated = False  # activate() ran: it arranged the report at exit
 _lock = threading.Lock()
 _local = threading.local()  # .depth: imports of torch / this package in progress on this thread
 
@@ -52,10 +60,45 @@ def activate(mode: str) -> None:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
             logger.addHandler(handler)
+    global _activated
     enable(strict=(mode == "strict"), process_wide=True)  # the whole program, every thread
+    _activated = True
     path = env.report_path()
     if path:
         atexit.register(_report_at_exit, path)
+
+
+def _report_if_never_enabled(path: str) -> None:
+    """Registered by ``run()``: the report of a program that never imported torch (all zero)."""
+    if not _activated:
+        _report_at_exit(path)
+
+
+def _check_report_path(path: str) -> None:
+    """Say now, not only after the script's work, when the report path cannot be written; it is
+    tried again at exit all the same (the script may create the folder)."""
+    from ..core import env
+    from .telemetry import report_path_problem
+
+    problem = report_path_problem(path)
+    if problem:
+        print(f"cudnn-sdpa-provider: warning: {env.REPORT}={path!r}: cannot write there now: {problem} "
+              "(tried again at exit)", file=sys.stderr)
+
+
+def _strict_excepthook(previous):
+    """``sys.excepthook`` in strict mode: an uncaught ``FallbackError`` is one line, not a traceback
+    (interactive sessions keep the traceback); anything else goes to the previous hook."""
+
+    def hook(exc_type, exc, tb):
+        from ..core.errors import FallbackError
+
+        if issubclass(exc_type, FallbackError) and not (sys.flags.interactive or hasattr(sys, "ps1")):
+            print(f"cudnn-sdpa-provider: refused: {exc.one_line()}", file=sys.stderr)
+            return None
+        return previous(exc_type, exc, tb)
+
+    return hook
 
 
 def _report_at_exit(path: str) -> None:
@@ -147,7 +190,17 @@ def run() -> None:
     mode = env.activation()  # warns, naming the valid values, on anything it does not know
     if mode == "off":
         return
+    try:
+        env.warn_invalid()  # the other variables too, now, not when (or if) a GPU path reads them
+    except Warning as exc:  # -W error: still one line, and the provider still starts
+        print(f"cudnn-sdpa-provider: {type(exc).__name__}: {exc}", file=sys.stderr)
     _pending = mode
+    if mode == "strict":
+        sys.excepthook = _strict_excepthook(sys.excepthook)
+    path = env.report_path()
+    if path:
+        _check_report_path(path)
+        atexit.register(_report_if_never_enabled, path)
     if _torch_loaded() and getattr(_local, "depth", 0) == 0:
         _finish()
     else:

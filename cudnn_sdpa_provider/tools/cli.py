@@ -23,6 +23,14 @@ EXIT_SELF_TEST_FAILED = 3  # doctor
 EXIT_NO_CUDA = 4  # bench: nothing to time without a CUDA GPU
 EXIT_REFUSED = 5  # --strict: a call would have fallen back (csp.FallbackError)
 
+#: ``demo --steps`` at most: the demo holds every step's batch (4 KB each) and takes about a second
+#: a step on a CPU; tests/test_cli.py checks it against ``tools.demo.MAX_STEPS`` (not imported: torch).
+DEMO_MAX_STEPS = 10_000
+#: ``demo`` prints a progress line on stderr every this many steps (runs of fewer steps print none).
+DEMO_PROGRESS_EVERY = 10
+#: ``run``'s own options: after the script they are the script's, so ``run`` says so (one line).
+_RUN_OPTIONS = ("--strict", "--report")
+
 _REFUSED_EPILOG = (f"Exit status {EXIT_REFUSED} when --strict refused a call that would have fallen back "
                    "(one line on stderr: the path and the reasons).")
 
@@ -40,26 +48,54 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser reports its own unknown options, with its own usage line (argparse would
+    pass them up to the top-level parser, which names neither the command nor its options)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= DEMO_MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {DEMO_MAX_STEPS}, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cudnn-sdpa", description="PyTorch attention on cuDNN graphs, with an audit.")
     p.add_argument("--version", action=_Version, help="print the versions of this package, torch and the frontend")
-    sub = p.add_subparsers(dest="command", metavar="{run,demo,doctor,bench}")
-    sub.required = True
+    # Not ``required``: argparse checks that before unknown options, so `cudnn-sdpa --bogus` would
+    # say "the following arguments are required"; main() checks both, unknown options first.
+    sub = p.add_subparsers(dest="command", metavar="{run,demo,doctor,bench}", parser_class=_CommandParser)
 
     run = sub.add_parser(
         "run", help="run a Python script under the provider and report at exit",
-        epilog=f"The exit status is the script's; {EXIT_USAGE} for bad options, a missing script or a --report FILE "
-               f"that cannot be written (checked before the script starts). {_REFUSED_EPILOG}")
+        usage="%(prog)s [-h] [--strict] [--report FILE] script [args ...]",
+        description="Options go before the script: everything after it is the script's (as with coverage run).",
+        epilog=f"The exit status is the script's; {EXIT_USAGE} for bad options, a missing script (or a folder "
+               f"without __main__.py) or a --report FILE that cannot be written (checked before the script "
+               f"starts). {_REFUSED_EPILOG}")
     run.add_argument("--strict", action="store_true",
                      help="stop at the first call that would fall back (csp.FallbackError; exit status 5)")
     run.add_argument("--report", metavar="FILE", help="also write the telemetry JSON to FILE")
-    run.add_argument("script", help="the script to run")
+    run.add_argument("script", nargs="?", help="the script to run")  # "?": main() says it is missing, by name
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     demo = sub.add_parser(
         "demo", help="train a small built-in transformer a few steps under the provider",
-        epilog=f"Exit status {EXIT_USAGE} for bad options or --device cuda without CUDA. {_REFUSED_EPILOG}")
-    demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+        epilog=f"Exit status {EXIT_USAGE} for bad options or --device cuda without CUDA. {_REFUSED_EPILOG} "
+               "With --json, stdout is the JSON either way (a refused run's has a \"refused\" key). Progress: a "
+               f"line on stderr every {DEMO_PROGRESS_EVERY} steps.")
+    demo.add_argument("--steps", type=_steps, default=5, metavar="N",
+                      help=f"training steps, 1 to {DEMO_MAX_STEPS} (default 5)")
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     demo.add_argument("--strict", action="store_true",
                       help="stop at the first call that would fall back (csp.FallbackError; exit status 5)")
@@ -98,16 +134,35 @@ def _bench_parser(sub) -> None:
 
 def _refusal(prog: str, exc) -> str:
     """A strict-mode refusal as one line: the error's first line (path, reason slugs) and its details."""
-    line = f"{prog}: refused: {str(exc).splitlines()[0]}"
-    return line + (f" ({'; '.join(exc.details)})" if exc.details else "")
+    return f"{prog}: refused: {exc.one_line()}"
+
+
+def _script_problem(script: str) -> str | None:
+    if not os.path.exists(script):
+        return f"no such script: {script}"
+    if os.path.isdir(script) and not os.path.exists(os.path.join(script, "__main__.py")):
+        return f"{script} is a directory without __main__.py, not a script"
+    return None
+
+
+def _misplaced_options(script_args: list[str]) -> list[str]:
+    """``run``'s options among the script's arguments: ``run script.py --report r.json`` gives them
+    to the script (as ``coverage run`` does) and writes no report, which is worth a hint."""
+    return [a for a in script_args if a.split("=", 1)[0] in _RUN_OPTIONS]
 
 
 def _cmd_run(args) -> int:
     from ..hooks.telemetry import report_path_problem
 
-    if not os.path.exists(args.script):
-        print(f"cudnn-sdpa run: no such script: {args.script}", file=sys.stderr)
+    problem = _script_problem(args.script)
+    if problem:
+        print(f"cudnn-sdpa run: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    misplaced = _misplaced_options(args.args)
+    if misplaced:
+        print(f"cudnn-sdpa run: note: {' '.join(misplaced)} after the script is passed to the script, not to run; "
+              "run's options go before the script: cudnn-sdpa run [--strict] [--report FILE] script [args ...]",
+              file=sys.stderr)
     problem = report_path_problem(args.report) if args.report is not None else None
     if problem:  # said before the script runs, not after an hour of training
         print(f"cudnn-sdpa run: --report {args.report}: cannot write there: {problem}", file=sys.stderr)
@@ -120,7 +175,9 @@ def _run_script(args) -> int:
     from ..diagnostics import report
     from ..core.errors import FallbackError
     from ..hooks.telemetry import write_report
+    from ..core import env
 
+    env.warn_invalid()  # every variable now, not when (or if) a GPU path reads it
     argv, path = sys.argv, list(sys.path)
     sys.argv = [args.script] + list(args.args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))  # as `python script.py` does
@@ -140,7 +197,11 @@ def _run_script(args) -> int:
     finally:
         try:
             if args.report:
-                write_report(args.report)  # while still enabled, like the environment-variable route
+                try:
+                    write_report(args.report)  # while still enabled, like the environment-variable route
+                except OSError as exc:  # a FIFO nobody reads, a full disk: said, and the status stays the script's
+                    print(f"cudnn-sdpa run: warning: report not written to {args.report!r}: "
+                          f"{exc.strerror or exc}", file=sys.stderr)
         finally:
             activation.remove()
             sys.argv, sys.path[:] = argv, path
@@ -148,8 +209,20 @@ def _run_script(args) -> int:
     return code
 
 
+def _demo_progress(losses: list):
+    """A ``run_demo`` progress callback: keeps the losses (a refused run still reports those it
+    has) and prints a line on stderr every ``DEMO_PROGRESS_EVERY`` steps, never on stdout."""
+
+    def progress(step: int, total: int, loss: float) -> None:
+        losses.append(loss)
+        if step % DEMO_PROGRESS_EVERY == 0:
+            print(f"cudnn-sdpa demo: step {step}/{total}, loss {loss:.4f}", file=sys.stderr, flush=True)
+
+    return progress
+
+
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import default_device, run_demo
     from ..diagnostics import report
 
     if args.device == "cuda":
@@ -158,18 +231,23 @@ def _cmd_demo(args) -> int:
         if not torch.cuda.is_available():
             print("cudnn-sdpa demo: --device cuda but CUDA is not available", file=sys.stderr)
             return EXIT_USAGE
-    if args.steps < 1:
-        print(f"cudnn-sdpa demo: --steps must be >= 1, got {args.steps}", file=sys.stderr)
-        return EXIT_USAGE
     from ..core.counters import stats
     from ..core.errors import FallbackError
 
-    before = stats()
+    from ..core import env
+
+    env.warn_invalid()
+    before, losses = stats(), []
     try:
-        result = run_demo(steps=args.steps, device=args.device, strict=args.strict)
+        result = run_demo(steps=args.steps, device=args.device, strict=args.strict, progress=_demo_progress(losses))
     except FallbackError as exc:
         print(_refusal("cudnn-sdpa demo", exc), file=sys.stderr)
-        print(report(stats() - before), file=sys.stderr)
+        if args.json:  # the same document as a finished run, with what was refused: stdout stays JSON
+            refused = {"path": exc.path, "reasons": exc.reasons, "details": exc.details, "message": exc.one_line()}
+            print(json.dumps({"device": str(default_device(args.device)), "losses": losses, "refused": refused,
+                              **(stats() - before).to_dict()}, indent=2))
+        else:
+            print(report(stats() - before), file=sys.stderr)
         return EXIT_REFUSED
     if args.json:
         print(json.dumps({"device": result["device"], "losses": result["losses"], **result["stats"].to_dict()},
@@ -287,11 +365,29 @@ def _cmd_bench(args, peers: dict | None = None) -> int:
     return EXIT_OK
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args`` with messages that name what is wrong: unknown options before a missing
+    command, and ``run``'s missing script by its name."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    if args.command is None:
+        parser.error("a command is required: one of run, demo, doctor, bench")
+    if args.command == "run" and args.script is None:
+        _command_parser(parser, "run").error("a script is required")
+    return args
+
+
+def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[name]
+
+
 def main(argv: list[str] | None = None, bench_peers: dict | None = None) -> int:
     """The CLI. ``bench_peers`` adds paths to ``bench`` (see ``bench.run``; scripts/bench_peer.py)."""
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
     if args.command == "bench":

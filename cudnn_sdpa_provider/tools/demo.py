@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyGQA", "run_demo", "batches", "CORPUS"]
+__all__ = ["TinyGQA", "run_demo", "batches", "default_device", "CORPUS", "MAX_STEPS"]
+
+#: Steps at most: every step's batch is made up front (4 x 129 int64, 4 KB a step), so a huge count
+#: would fail in the allocator instead of in the argument check.
+MAX_STEPS = 10_000
 
 
 class _Block(nn.Module):
@@ -67,19 +71,25 @@ def batches(steps: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return text[starts.unsqueeze(-1) + torch.arange(seq + 1)]
 
 
+def default_device(device: str | None = None) -> torch.device:
+    """``device``, or CUDA when available, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def run_demo(steps: int = 5, device: str | None = None, strict: bool = False, seq: int = 128, batch: int = 4,
-             seed: int = 0, lr: float = 1e-3) -> dict:
+             seed: int = 0, lr: float = 1e-3, progress=None) -> dict:
     """Train ``TinyGQA`` for ``steps`` steps inside ``enable()``; return losses and telemetry.
 
     Seeded (model initialisation and data) without touching the caller's global RNG state: on the
-    CPU two runs give the same losses.
+    CPU two runs give the same losses. ``progress(step, steps, loss)``, when given, is called after
+    each step (step counts from 1).
     """
     from ..hooks.activation import enable
     from ..core.counters import stats
 
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be an int from 1 to {MAX_STEPS}, got {steps!r}")
+    dev = default_device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = TinyGQA().to(dev)
@@ -97,4 +107,6 @@ def run_demo(steps: int = 5, device: str | None = None, strict: bool = False, se
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
+            if progress is not None:
+                progress(step + 1, steps, losses[-1])
     return {"device": str(dev), "losses": losses, "stats": stats() - before}

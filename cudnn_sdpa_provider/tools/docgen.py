@@ -240,7 +240,8 @@ def telemetry_page() -> str:
         _HEADER,
         "# Telemetry",
         "",
-        "Every attention call the provider sees is counted on one of five paths, as **served** (it ran on "
+        "Every attention call the provider sees is counted on one of the paths below (`csp.PATHS`), as "
+        "**served** (it ran on "
         "a cuDNN graph this package built) or as a **fallback** with one reason slug (it ran on PyTorch's "
         "own kernel, or on the aten composite for what no aten kernel does). Slugs are public API: they "
         "never change meaning; messages may.",
@@ -268,8 +269,14 @@ def telemetry_page() -> str:
         "## The `CUDNN_SDPA_PROVIDER_REPORT` file",
         "",
         "With `CUDNN_SDPA_PROVIDER_REPORT=run.json` (or `cudnn-sdpa run --report run.json`) the same "
-        "dict is written at exit, plus a `\"meta\"` key; keys are sorted, indent 2, written atomically "
-        "(a temporary file renamed into place). Example from a CUDA machine:",
+        "dict is written at exit, plus a `\"meta\"` key; keys are sorted, indent 2. A new or regular file "
+        "is written atomically (a temporary file renamed into place) and keeps its permission bits; a "
+        "symlink is followed to its target; a character device (`/dev/null`, a terminal) or a FIFO is "
+        "written directly, never replaced; the process's own stdout or stderr (`/dev/stdout`, or the file it "
+        "is redirected to) gets the report after what the program printed. Refused in one line: a directory, a block device, a socket, a "
+        "read-only file (no write bit, even for root) and a file the process may not write. A script that "
+        "never imports torch gets a report too, all zero, with `\"enabled\": false`. Example from a CUDA "
+        "machine:",
         "",
         "```json",
         json.dumps(report, indent=2, sort_keys=True),
