@@ -12,6 +12,9 @@ Hugging Face integration, ``attn_implementation="cudnn"``; hf_generate only).
   length new) and causal prefill (B 1, H 32/8, S 700..731), forward and forward+backward: the first
   call at each new length against the repeated call (wall time, synchronised, medians; the repeated
   call's CUDA-event time beside them).
+* ``hf_dynamic_padding``: 50 training steps (forward + backward) of the same model with 4 layers,
+  batch 8, lengths drawn from 128..2048 and right-padded to each batch's longest; total time,
+  first step, graph builds (``flash`` cannot take HF's padding mask: its row is an error).
 * ``hf_generate``: a 16-layer Llama-like model (hidden 2048, 32/8 heads, MLP 5632, random weights,
   bf16), greedy, prompt 512 + 128 new tokens; cold = three generations whose lengths (prompts 512,
   660, 808, each + 128) were never seen before, warm = the last one again; tokens/s, graph builds.
@@ -122,10 +125,10 @@ def new_length(path: str) -> list[dict]:
     return rows
 
 
-def _llama(attn: str):
+def _llama(attn: str, layers: int = 16):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096, attention_dropout=0.0)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -163,6 +166,38 @@ def hf_generate(path: str, batch: int) -> list[dict]:
     return rows
 
 
+def hf_dynamic_padding(path: str, steps: int = 50) -> list[dict]:
+    """Training steps (forward + backward) of the 4-layer model, batch 8, each batch's lengths drawn
+    from 128..2048 and right-padded to its longest (what HF's data collators do); the same batches
+    for every path. Step times include the first step; graph builds counted."""
+    if path == "cudnn":
+        from cudnn_sdpa_provider.integrations import transformers as csp_hf
+
+        csp_hf.register()
+    model = _llama("cudnn" if path == "cudnn" else "sdpa", layers=4).train()
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(steps):
+        lengths = torch.randint(128, 2049, (8,), generator=gen)
+        s = int(lengths.max())
+        mask = (torch.arange(s)[None, :] < lengths[:, None]).long()
+        batches.append((torch.randint(0, 32000, (8, s), generator=gen), mask))
+    times, builds0 = [], _builds()
+    with _scope(path):
+        for ids, mask in batches:
+            ids, mask = ids.cuda(), mask.cuda()
+
+            def step(ids=ids, mask=mask):
+                loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            times.append(_wall(step))
+    return [{"case": "hf_dynamic_padding", "path": path, "ms": sum(times), "first_step_ms": times[0],
+             "median_step_ms": statistics.median(times), "steps": steps,
+             "builds": _builds() - builds0 if builds0 >= 0 else None}]
+
+
 def _child(args: list[str]) -> list[dict]:
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=900)
     if proc.returncode:
@@ -177,6 +212,8 @@ def run_all(batches) -> list[dict]:
     for batch in batches:
         for path in HF_PATHS:
             rows += _child(["hf_generate", path, str(batch)])
+    for path in HF_PATHS:
+        rows += _child(["hf_dynamic_padding", path])
     for row in rows:
         base = next((r for r in rows if r.get("case") == row.get("case") and r.get("path") == "native"), None)
         if base and "ms" in row:
@@ -188,7 +225,7 @@ def run_all(batches) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("new_length", "hf_generate", "all"))
+    parser.add_argument("what", choices=("new_length", "hf_generate", "hf_dynamic_padding", "all"))
     parser.add_argument("path", nargs="?", choices=HF_PATHS)
     parser.add_argument("batch", nargs="?", type=int, default=1)
     parser.add_argument("--json", help="all: write the rows here")
@@ -205,7 +242,12 @@ def main(argv=None) -> int:
         for row in rows:
             print(json.dumps(row))
         return 0
-    rows = new_length(a.path) if a.what == "new_length" else hf_generate(a.path, a.batch)
+    if a.what == "new_length":
+        rows = new_length(a.path)
+    elif a.what == "hf_generate":
+        rows = hf_generate(a.path, a.batch)
+    else:
+        rows = hf_dynamic_padding(a.path)
     for row in rows:
         print(json.dumps(row))
     return 0

@@ -141,7 +141,7 @@ def test_the_variable_turns_the_buckets_off_or_always_on(fake, monkeypatch, raw,
     assert fake[-1].key.ragged == (raw == "1")
 
 
-@pytest.mark.parametrize("what", ["bias", "sinks", "lengths", "dropout", "misaligned", "expand"])
+@pytest.mark.parametrize("what", ["bias", "sinks", "int64_lengths", "dropout", "misaligned", "expand"])
 def test_what_the_fold_cannot_take_runs_on_the_exact_graph(fake, what):
     gen = torch.Generator().manual_seed(10)
     q, k, v = _operands("contiguous", 2, 2, 2, 12, 12, 8, gen)
@@ -150,15 +150,18 @@ def test_what_the_fold_cannot_take_runs_on_the_exact_graph(fake, what):
         kw["bias"] = torch.randn(2, 2, 12, 12, generator=gen)
     elif what == "sinks":
         kw["sinks"] = torch.randn(2, generator=gen)
-    elif what == "lengths":
-        kw["seq_len_q"] = kw["seq_len_kv"] = torch.tensor([12, 7], dtype=torch.int32)
+    elif what == "int64_lengths":  # the exact path's own check names the dtype
+        kw["seq_len_q"] = kw["seq_len_kv"] = torch.tensor([12, 7], dtype=torch.int64)
     elif what == "misaligned":
         k = torch.randn(2 * 2 * 12 * 8 + 1, generator=gen)[1:].view(2, 2, 12, 8)
     elif what == "expand":
         k = torch.randn(2, 1, 12, 8, generator=gen).expand(2, 2, 12, 8)
     assert not folded.applies(q, k, v, bias=kw.get("bias"), sinks=kw.get("sinks"), seq_len_q=kw.get("seq_len_q"),
                               dropout_p=0.1 if what == "dropout" else 0.0)
-    if what != "dropout":
+    if what == "int64_lengths":
+        with pytest.raises(TypeError, match="int32"):
+            dense.forward(q, k, v, scale=0.3, **kw)
+    elif what != "dropout":
         dense.forward(q, k, v, scale=0.3, **kw)
         assert not any(g.key.ragged for g in fake)
 
@@ -191,3 +194,30 @@ def test_every_declared_stride_is_16_byte_aligned(fake):
             per = 16 // d.dtype.itemsize
             bad = [(i, s) for i, (n, s) in enumerate(zip(d.dims[:3], d.strides[:3])) if n > 1 and s % per]
             assert not bad or name == "lse" and all(s == 1 for _, s in bad), (name, d)  # as the packed LSE
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "token_major", "mixed"])
+def test_padded_calls_fold_with_their_own_lengths(fake, kind):
+    """Per-sequence lengths (right padding, as the HF integration passes them): rows past a length
+    are 0 in out and the gradients, and a batch row with an out-of-range length is NaN."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _operands(kind, 3, 4, 2, 11, 11, 8, gen)
+    lq = torch.tensor([11, 6, 12], dtype=torch.int32)  # the last is out of range
+    lk = torch.tensor([11, 6, 9], dtype=torch.int32)
+    out, lse = dense.forward(q, k, v, scale=0.3, window=(-1, 0), seq_len_q=lq, seq_len_kv=lk)
+    assert fake and all(g.key.ragged for g in fake), "the padded call ran on a folded graph"
+    good = [0, 1]
+    want, _ = reference.dense(q.double()[good], k.double()[good], v.double()[good], scale=0.3, window=(-1, 0),
+                              seq_len_q=lq[good], seq_len_kv=lk[good], compute_dtype=torch.float64)
+    assert_rel_close(out[good], want, TOL, "out")
+    assert torch.isnan(out[2]).all(), "a batch row with an out-of-range length is NaN"
+    go = torch.randn(out.shape, generator=gen)
+    dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=0.3, window=(-1, 0), seq_len_q=lq, seq_len_kv=lk)
+    rq, rk, rv, _ = reference.dense_backward(go.double()[good], q.double()[good], k.double()[good], v.double()[good],
+                                             scale=0.3, window=(-1, 0), seq_len_q=lq[good], seq_len_kv=lk[good],
+                                             compute_dtype=torch.float64)
+    for got, ref, name in ((dq, rq, "dq"), (dk, rk, "dk"), (dv, rv, "dv")):
+        assert_rel_close(got[good], ref, TOL, name)
+        assert torch.isnan(got[2]).all(), f"{name} of the bad batch row is NaN"
+    assert (dq[1, :, 6:] == 0).all() and (dk[1, :, 6:] == 0).all(), "rows past a length are 0"
+    assert sum(isinstance(g.key, BwdKey) and g.key.ragged for g in fake) == 1

@@ -138,7 +138,7 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
         found = bd.store(signature, found or _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window,
                                                            bottom_right, dropout_p, compute_lse, rng_dump))
     if found.extra.get("fold"):
-        return folded.run_forward(found, q, k, v, compute_lse)
+        return _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_len_q, seq_len_kv)
     if found.fix:
         q, k, v = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
     (size, stride), (lse_size, _) = found.outputs
@@ -173,6 +173,15 @@ def _fold_wanted(s_q: int, s_kv: int) -> bool | None:
     return True if mode == "on" or not (_pow2(s_q) and _pow2(s_kv)) else None
 
 
+def _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_len_q, seq_len_kv):
+    if seq_len_q is None:
+        return folded.run_forward(found, q, k, v, compute_lse)
+    safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+    out, lse = folded.run_forward(found, q, k, v, compute_lse, (safe_q, safe_kv))
+    _fix_rows(out, found, window, bottom_right, seq_len_q, seq_len_kv, k.shape[2], bad)
+    return out, lse
+
+
 def _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
     """A folded forward binding (``folded``), or None: not foldable, not wanted, or refused by
     cuDNN (the exact graph is then tried: a rejection of the folded form is no reason to fall back)."""
@@ -184,7 +193,7 @@ def _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, w
         return None
     try:
         return folded.bind_forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right,
-                                   compute_lse=compute_lse, build=bool(wanted))
+                                   compute_lse=compute_lse, padded=seq_len_q is not None, build=bool(wanted))
     except NotSupportedError:
         return None
 
@@ -200,7 +209,7 @@ def _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, sc
         return None
     try:
         return folded.bind_backward(grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right,
-                                    deterministic=deterministic, build=bool(wanted))
+                                    deterministic=deterministic, padded=seq_len_q is not None, build=bool(wanted))
     except NotSupportedError:
         return None
 
@@ -252,7 +261,14 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
                                                             philox, scale, window, bottom_right, dropout_p,
                                                             deterministic))
     if found.extra.get("fold"):
-        return folded.run_backward(found, grad_out, q, k, v, out, lse) + (None,)
+        safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+        dq, dk, dv = folded.run_backward(found, grad_out, q, k, v, out, lse,
+                                         None if seq_len_q is None else (safe_q, safe_kv))
+        if seq_len_q is not None:  # rows past the lengths are 0; a batch row with bad lengths is NaN
+            _zero_dead_grads(dq, dk, dv, found, window, bottom_right, seq_len_q, seq_len_kv)
+            for g in (dq, dk, dv):  # (its folds were given length 0: cuDNN wrote nothing there)
+                g.masked_fill_(bad, float("nan"))
+        return dq, dk, dv, None
     qr, kr, vr, outr, do, lse_in = q, k, v, out, grad_out, lse
     if found.fix:
         fix_q, fix_k, fix_v, fix_o, fix_do, fix_lse = found.repair

@@ -9,7 +9,8 @@ build on an H200). Folding removes S from everything the graph declares:
   computed once per call signature), so no batch or KV-head stride is declared;
 * inside a fold, Q/O/dO/dQ keep the group's ``G = H_q / H_kv`` query heads as the head dim, K/V one
   head (cuDNN's GQA); the declared S is the length bucket (``seqlen_bucket``: the next power of
-  two) and the padding mask gives the real lengths (``seq_len_q/kv`` = S_q, S_kv for every fold);
+  two) and the padding mask gives the real lengths (``seq_len_q/kv`` = S_q, S_kv for every fold,
+  or each batch row's own lengths, repeated for its KV heads, in a padded call);
 * what stays declared is the head-in-group stride and the token stride of each operand. For K/V
   and for query-side operands with G == 1 or S_q == 1 these do not depend on S in the layouts
   models use (contiguous BHSD, token-major BSHD seen through ``transpose(1, 2)``, fused-projection
@@ -21,9 +22,12 @@ length in the bucket. The LSE is (B, H, S_q, 1) contiguous as on the exact path:
 where its strides do not depend on S (G == 1 or S_q == 1), else token-major and copied; the
 backward reads it padded to the bucket, (B, H, S_b, 1) (cuDNN < 9.26 misreads non-packed stats).
 
+A padded call (per-sequence lengths) folds too: its lengths are the call's own (the caller makes
+out-of-range ones 0 and fixes the rows that are 0 or NaN by definition, as on the exact path).
+
 Not folded (the exact graph serves them, as before): bias (its strides follow S), sinks (one
 logit per query head, which a fold cannot index), dropout (its random stream is indexed by the
-graph's batch and head), per-sequence lengths, the dropout mask dump, operands that are not
+graph's batch and head), lengths that are not int32, the dropout mask dump, operands that are not
 16-byte aligned or whose offsets would overflow int32, and calls made while a CUDA graph is being
 captured (the offsets this module computes on the device must exist before a capture; see
 ``applies``).
@@ -86,7 +90,9 @@ def _end(t: torch.Tensor, h_kv: int, groups: int) -> int:
 def applies(q, k, v, *, bias=None, sinks=None, seq_len_q=None, dropout_p=0.0, rng_dump=None) -> bool:
     """Whether a dense call can run on the folded, length-bucketed graphs (pure shape/stride checks;
     see the module docstring for what is left to the exact graphs)."""
-    if bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 or rng_dump is not None:
+    if bias is not None or sinks is not None or dropout_p > 0.0 or rng_dump is not None:
+        return False
+    if seq_len_q is not None and (seq_len_q.dtype != torch.int32 or seq_len_q.numel() != q.shape[0]):
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
         return False
@@ -177,7 +183,7 @@ def _lse_target(b: int, h: int, s_q: int, groups: int, device) -> tuple[torch.Te
 # ---------------------------------------------------------------------------------------- forward
 
 
-def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_lse: bool,
+def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_lse: bool, padded: bool = False,
                  build: bool = True) -> Binding | None:
     """The binding of a folded forward; its graph is found in the cache or, with ``build``, built
     (``graphs.plan``); None when it is not cached and ``build`` is False."""
@@ -204,12 +210,24 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     tensors += (_offsets(lse_buf, h_kv, groups),) if compute_lse else ()
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
-                   extra={"fold": True, "groups": groups, "tensors": tensors,
-                          "dead": _dead(s_q, s_kv, window, bottom_right, q.device)}, fix=copy_q)
+                   extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
+                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)},
+                   fix=copy_q)
 
 
-def run_forward(found: Binding, q, k, v, compute_lse: bool):
-    """(out, lse) of a folded forward through its binding."""
+def _with_lengths(found: Binding, lengths) -> tuple:
+    """The binding's device tensors, with a padded call's own lengths (B,) int32 in place of the
+    fixed ones: repeated for each batch row's KV heads, as the folds are ordered."""
+    if lengths is None:
+        return found.extra["tensors"]
+    h_kv = found.extra["h_kv"]
+    per_fold = tuple(t.repeat_interleave(h_kv).view(-1, 1, 1, 1) for t in lengths)
+    return per_fold + found.extra["tensors"][2:]
+
+
+def run_forward(found: Binding, q, k, v, compute_lse: bool, lengths=None):
+    """(out, lse) of a folded forward through its binding; ``lengths`` (a padded call's safe
+    (seq_len_q, seq_len_kv)): then the caller fixes the rows past them."""
     ex = found.extra
     groups = ex["groups"]
     qr = _token_major(q).copy_(q) if found.fix else q
@@ -217,13 +235,13 @@ def run_forward(found: Binding, q, k, v, compute_lse: bool):
     out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     out_buf = out if found.direct[0] else _token_major(out)
     lse, lse_buf = _lse_target(q.shape[0], q.shape[1], q.shape[2], groups, q.device)
-    buffers = (qr, k, v, out_buf) + ((lse_buf,) if compute_lse else ()) + ex["tensors"]
+    buffers = (qr, k, v, out_buf) + ((lse_buf,) if compute_lse else ()) + _with_lengths(found, lengths)
     bd.run(found, buffers, q.device.index)
     if out_buf is not out:
         out.copy_(out_buf)
     if compute_lse and lse_buf is not lse:
         lse.copy_(lse_buf)
-    if ex["dead"] is not None:
+    if not ex["padded"] and ex["dead"] is not None:
         out.masked_fill_(ex["dead"], 0)
     return out, lse
 
@@ -236,7 +254,7 @@ def _kv_target(grad: torch.Tensor) -> torch.Tensor:
 
 
 def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right: bool, deterministic: bool,
-                  build: bool = True) -> Binding | None:
+                  padded: bool = False, build: bool = True) -> Binding | None:
     """The binding of a folded backward (None as for ``bind_forward``). Query-side operands whose head stride follows S are copied
     token-major; the LSE is read padded to the bucket, (B, H, S_b, 1)."""
     b, h_q, s_q, _ = q.shape
@@ -265,12 +283,14 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),
-                   extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b,
-                          "dead": _dead(s_q, s_kv, window, bottom_right, q.device)}, fix=any(c for _, c in reads))
+                   extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b, "h_kv": h_kv,
+                          "padded": padded,
+                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)},
+                   fix=any(c for _, c in reads))
 
 
-def run_backward(found: Binding, grad_out, q, k, v, out, lse):
-    """(dq, dk, dv) of a folded backward through its binding."""
+def run_backward(found: Binding, grad_out, q, k, v, out, lse, lengths=None):
+    """(dq, dk, dv) of a folded backward through its binding (``lengths`` as for ``run_forward``)."""
     ex = found.extra
     copy_q, copy_o, copy_do = found.repair
     qr = _token_major(q).copy_(q) if copy_q else q
@@ -284,9 +304,9 @@ def run_backward(found: Binding, grad_out, q, k, v, out, lse):
         g = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
         grads.append(g)
         bufs.append(g if direct else _token_major(g) if i == 0 else torch.empty(size, dtype=t.dtype, device=t.device))
-    buffers = (qr, k, v, outr, do, stats, bufs[0], bufs[1], bufs[2]) + ex["tensors"]
+    buffers = (qr, k, v, outr, do, stats, bufs[0], bufs[1], bufs[2]) + _with_lengths(found, lengths)
     bd.run(found, buffers, q.device.index)
     bd.copy_back(grads, bufs)
-    if ex["dead"] is not None:
+    if not ex["padded"] and ex["dead"] is not None:
         grads[0].masked_fill_(ex["dead"], 0)
     return tuple(grads)
