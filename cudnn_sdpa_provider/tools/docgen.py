@@ -64,10 +64,14 @@ OTHER_SOURCES = {
                                "(CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB, default half the free "
                                "device memory).",
     "torch_selection": "`route.elsewhere`: PyTorch's selector sent an F.sdpa call to flash, efficient, math or "
-                       "the CPU kernel although no rule rejects it; the call is counted and runs there.",
+                       "the CPU kernel although no rule rejects it, or torch 2.15's varlen_attn sent a call to "
+                       "FlashAttention (`backend=1`); the call is counted and runs there.",
     "backend_disabled": "`route.elsewhere`: as `torch_selection`, while the user's own flags "
-                        "(`sdpa_kernel`, `enable_cudnn_sdp(False)`) exclude cuDNN. `enable()` never changes them.",
-    "unsupported_argument": "also an F.sdpa call with `return_debug_mask=True` (before 0.2: `dropout`).",
+                        "(`sdpa_kernel`, `enable_cudnn_sdp(False)`) exclude cuDNN; for F.sdpa and for varlen_attn on "
+                        "every torch (`route.user_excludes_cudnn`). `enable()` never changes them.",
+    "unsupported_argument": "also an F.sdpa call with `return_debug_mask=True` (before 0.2: `dropout`), and a "
+                            "varlen_attn op call whose `backend` (torch 2.15) is neither 1 (FlashAttention) nor 3 "
+                            "(cuDNN).",
 }
 
 #: What the constants in ``support`` mean (values are read from the module; a constant missing
