@@ -193,6 +193,7 @@ def install(monkeypatch, caps: support.Capabilities = HOPPER) -> list:
     monkeypatch.setattr(graphs, "cudnn", type("FakeCudnn", (), {"set_stream": staticmethod(lambda handle, stream: None)}))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
+    monkeypatch.setattr(graphs, "_device_facts", lambda device: (caps.cudnn_version, caps.compute_capability))
     graphs.clear_cache()
     return built
 

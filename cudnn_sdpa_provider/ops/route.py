@@ -222,7 +222,7 @@ def call(path: str, found: Entry, serve: Callable[[], T] | None, native: Callabl
     if reason is None and serve is not None:
         try:
             result = serve()
-        except NotSupportedError as exc:  # cuDNN rejected the graph when it was built
+        except NotSupportedError as exc:  # cuDNN rejected the graph, or the known-issues table did
             reason = Reason(exc.reason, exc.detail)
             found.reasons = [reason]  # the signature's later calls fall back at once (no rebinding)
         else:
