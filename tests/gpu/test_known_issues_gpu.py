@@ -59,3 +59,32 @@ def test_the_1071_backward_falls_back_instead_of_crashing(tmp_path):
         assert "dense_bwd {'served': 0, 'fallback': {'cudnn_known_issue': 1}}" in proc.stdout, proc.stdout
     else:
         assert "dense_bwd {'served': 1, 'fallback': {}}" in proc.stdout, proc.stdout
+
+
+SDPA_CHILD = """
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import cudnn_sdpa_provider as csp
+
+gen = torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+k = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+v = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+with csp.enable(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    before = csp.stats()
+    F.scaled_dot_product_attention(q, k, v).sum().backward()
+    torch.cuda.synchronize()
+    print("dense_bwd", (csp.stats() - before).to_dict()["dense_bwd"], flush=True)
+"""
+
+
+def test_the_1071_backward_through_f_sdpa_does_not_crash(tmp_path):
+    # The F.sdpa route's fallback is PyTorch's own cuDNN backward kernel, on the same cuDNN: this
+    # records whether that kernel survives the #1071 shape (a crash here is PyTorch's as well).
+    path = tmp_path / "known_issue_1071_sdpa.py"
+    path.write_text(textwrap.dedent(SDPA_CHILD))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.run([sys.executable, str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"child exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "dense_bwd {" in proc.stdout, proc.stdout
