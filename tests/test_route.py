@@ -168,7 +168,7 @@ def test_unknown_varlen_arguments_fall_back_with_their_name(cuda_like, monkeypat
     schema_op = ops["_varlen_attn"]
     for arg in schema_op._schema.arguments:
         assert arg.name in overrides.VARLEN_ARGUMENTS, f"{arg.name} of this torch's schema has no rule"
-    a = {arg.name: None for arg in schema_op._schema.arguments}
+    a = {arg.name: arg.default_value if arg.has_default_value() else None for arg in schema_op._schema.arguments}
     a["future_argument"] = 2  # not in this torch's schema: nothing to judge
     assert overrides._unknown_arguments(schema_op, a) == ()
     lib = torch.library.Library("csp_test_future", "FRAGMENT")
