@@ -8,7 +8,10 @@
 
 Importing the package registers nothing with the dispatcher, reads no environment variable and
 imports neither torch nor any model library; the heavy modules load on first use, and so do
-``csp.integrations`` and its submodules (``csp.integrations.transformers``).
+``csp.integrations`` and its submodules (``csp.integrations.transformers``). Its one passive step:
+the provider's entry "CUDNN_SDPA_PROVIDER" in torch's attention-implementation registry is added
+once torch is imported (at once if it already is), so ``activate_flash_attention_impl`` finds it
+in either import order (``hooks.registry``); nothing is activated.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ _LAZY = {
 _INTEGRATIONS = ("transformers",)
 
 
+def _register_entry() -> None:
+    from .hooks import registry
+
+    registry.register()
+
+
 def _integrations():
     package = import_module(".integrations", __name__)
     for name in _INTEGRATIONS:
@@ -81,3 +90,12 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+def _when_torch_loaded() -> None:
+    from .hooks.startup import when_torch_loaded
+
+    when_torch_loaded(_register_entry)
+
+
+_when_torch_loaded()

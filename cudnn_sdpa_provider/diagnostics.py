@@ -13,12 +13,12 @@ from typing import NamedTuple
 import torch
 
 from .hooks import activation
-from .core import arguments, counters, support
+from .core import arguments, counters, known_issues, support
 from .engine import machine
 from .ops import route
 from .core.reasons import Reason
 
-__all__ = ["report", "explain", "DoctorRow", "feature_rows", "self_test"]
+__all__ = ["report", "explain", "DoctorRow", "feature_rows", "known_issue_rows", "self_test"]
 
 
 def report(snapshot: "counters.Stats | None" = None) -> str:
@@ -161,6 +161,21 @@ def feature_rows(caps: support.Capabilities | None = None) -> list[DoctorRow]:
             found = support.reasons(problem, caps)
         rows.append(DoctorRow("features", name, not found, "served" if not found else f"no: {found[0]}"))
     return rows
+
+
+def known_issue_rows(caps: support.Capabilities | None = None) -> list[DoctorRow]:
+    """The rows of the known-issues table that apply to this machine's cuDNN and GPU (calls they
+    cover fall back with ``cudnn_known_issue``), or one row saying none does."""
+    caps = caps if caps is not None else machine.capabilities()
+    if not caps.cuda or caps.cudnn_version is None:
+        why = "no CUDA device" if not caps.cuda else "cuDNN version unknown"
+        return [DoctorRow("known issues", "table", None, f"skipped: {why}")]
+    rows = [DoctorRow("known issues", row.issue, None, f"{row.summary}, for {row.where} (cuDNN {row.versions}): "
+                      "such calls fall back (cudnn_known_issue)")
+            for row in known_issues.applicable(caps.cudnn_version, caps.compute_capability)]
+    cc = caps.compute_capability
+    where = f"cuDNN {support.version_str(caps.cudnn_version)} on sm_{cc[0]}{cc[1]}" if cc else "this machine"
+    return rows or [DoctorRow("known issues", "table", True, f"no known-bad configuration of {where}")]
 
 
 def self_test(device: int | None = None) -> list[DoctorRow]:

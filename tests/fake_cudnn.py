@@ -195,6 +195,7 @@ def install(monkeypatch, caps: support.Capabilities = HOPPER) -> list:
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
     monkeypatch.setattr(folded, "_FAKE_DEVICES", {"cpu"})  # the folded graphs run on the fake's CPU tensors
+    monkeypatch.setattr(graphs, "_device_facts", lambda device: (caps.cudnn_version, caps.compute_capability))
     graphs.clear_cache()
     return built
 

@@ -162,14 +162,20 @@ def test_varlen_override_serves_and_follows_native_layout(cuda_like):
 
 
 def test_unknown_varlen_arguments_fall_back_with_their_name(cuda_like, monkeypatch):
-    """An argument a newer torch adds is never ignored: a non-default value falls back."""
+    """An argument a newer torch adds is never ignored: a non-default value falls back. Every argument
+    of this torch's schema has a rule (torch 2.15's ``backend`` too: tests/test_varlen_backend.py)."""
     ops = overrides._varlen_ops()
     schema_op = ops["_varlen_attn"]
-    a = {arg.name: None for arg in schema_op._schema.arguments}
-    a["backend"] = 2  # as torch 2.15's trailing int
-    assert overrides._unknown_arguments(schema_op, a) == ()  # not in this torch's schema: nothing to judge
     for arg in schema_op._schema.arguments:
         assert arg.name in overrides.VARLEN_ARGUMENTS, f"{arg.name} of this torch's schema has no rule"
+    a = {arg.name: arg.default_value if arg.has_default_value() else None for arg in schema_op._schema.arguments}
+    a["future_argument"] = 2  # not in this torch's schema: nothing to judge
+    assert overrides._unknown_arguments(schema_op, a) == ()
+    lib = torch.library.Library("csp_test_future", "FRAGMENT")
+    lib.define("va(Tensor query, int future=0) -> Tensor")
+    future = torch.ops.csp_test_future.va.default
+    assert overrides._unknown_arguments(future, {"query": None, "future": 0}) == ()
+    assert overrides._unknown_arguments(future, {"query": None, "future": 5}) == ("future",)
 
 
 # --------------------------------------------------------------- decisions from the context

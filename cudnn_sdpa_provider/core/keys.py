@@ -10,7 +10,9 @@ from enum import IntEnum
 
 import torch
 
-__all__ = ["UID", "Desc", "FwdKey", "BwdKey", "Fp8Key", "describe", "writes"]
+from .support import Problem
+
+__all__ = ["UID", "Desc", "FwdKey", "BwdKey", "Fp8Key", "describe", "writes", "graph_problem"]
 
 
 class UID(IntEnum):
@@ -164,3 +166,24 @@ def writes(key) -> frozenset:
     else:
         uids = (UID.DQ, UID.DK, UID.DV, UID.DSINK) if isinstance(key, BwdKey) else (UID.O, UID.LSE, UID.RNG_DUMP)
     return frozenset(int(u) for u in uids)
+
+
+def graph_problem(key) -> Problem:
+    """The graph's own dims as a ``support.Problem`` (for the known-issues table at build time): a
+    graph's S may be a bucket's, not its call's. Ragged graphs declare (B, H, S_max, D); a paged
+    graph's S_kv is its table's capacity; an FP8 key's causal flag is its window."""
+    if isinstance(key, Fp8Key):
+        kind, backward, window = "fp8", key.backward, (-1, 0) if key.causal else (-1, -1)
+        dtypes = (key.q.dtype, key.k.dtype, key.v.dtype) + ((key.do.dtype,) if key.backward else ())
+    else:
+        pages = getattr(key, "pages", None)
+        kind = "paged" if pages is not None else "varlen" if key.ragged else "dense"
+        backward, window, dtypes = isinstance(key, BwdKey), tuple(key.window), (key.q.dtype, key.k.dtype, key.v.dtype)
+    b, h_q, s_q, d_qk = key.q.dims
+    pages = getattr(key, "pages", None)
+    s_kv = pages[1] if pages is not None else key.k.dims[2]
+    return Problem(kind=kind, backward=backward, device_type="cuda", dtypes=dtypes, batch=b, h_q=h_q,
+                   h_k=key.k.dims[1], h_v=key.v.dims[1], s_q=s_q, s_kv=s_kv, d_qk=d_qk, d_v=key.v.dims[3],
+                   window=window, bottom_right=getattr(key, "bottom_right", False), padded=key.padded,
+                   deterministic=getattr(key, "deterministic", False), dropout_p=getattr(key, "dropout_p", 0.0),
+                   sinks=getattr(key, "sinks", False), bias=getattr(key, "bias", None) is not None)

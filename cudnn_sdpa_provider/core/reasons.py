@@ -29,6 +29,7 @@ class Slug(str, enum.Enum):
     CUDNN_VERSION = "cudnn_version"
     CUDNN_FEATURE = "cudnn_feature"
     CUDNN_BUG = "cudnn_bug"
+    CUDNN_KNOWN_ISSUE = "cudnn_known_issue"
     COMPUTE_CAPABILITY = "compute_capability"
     DTYPE = "dtype"
     HEAD_DIM = "head_dim"
@@ -92,6 +93,14 @@ CATALOG: dict[str, tuple[str, str]] = {
     Slug.CUDNN_BUG.value: (
         "This cuDNN release has a known bug for this configuration, so the call is not sent to it.",
         "Upgrade cuDNN; docs/support.md lists the releases and configurations.",
+    ),
+    Slug.CUDNN_KNOWN_ISSUE.value: (
+        "The call, or the graph built for it, is a configuration this cuDNN release is publicly known to crash "
+        "on or compute wrong (the known-issues table: each row names its public issue). Checked again on the "
+        "graph actually built, so a graph built for other dims than the call's is covered too. (Before the "
+        "table, the cuDNN 9.26 backward-planning crash at B = H = S_q = 1 counted as `cudnn_bug`.)",
+        "Nothing to do: the call runs on PyTorch's kernel; docs/support.md lists the rows and their issues, "
+        "`cudnn-sdpa doctor` the ones that apply to this machine.",
     ),
     Slug.COMPUTE_CAPABILITY.value: (
         "The GPU is older than the call needs: cuDNN SDPA needs Ampere (sm_80), FP8 attention Hopper (sm_90).",

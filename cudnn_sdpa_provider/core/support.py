@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from .known_issues import KNOWN_ISSUES, KnownIssue, known_issue
 from .reasons import Reason, Slug
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "Problem",
     "Rule",
     "RULES",
+    "KnownIssue",
+    "KNOWN_ISSUES",
+    "known_issue",
     "MIN_CUDNN",
     "reasons",
     "canonical_window",
@@ -241,14 +245,15 @@ def _bug(p: Problem, c: Capabilities) -> str | None:
     # cuDNN 9.14.0: wrong results for non-causal sliding windows once s_kv > 1024 (fixed in 9.15.0).
     if v == 91400 and left >= 0 and right != 0 and p.s_kv > 1024:
         return "cuDNN 9.14.0 sliding-window bug (non-causal window, s_kv > 1024)"
-    # cuDNN 9.26: backward planning segfaults on H200 at B = H_q = S_q = 1, S_kv = 128, d = 64.
-    if (92600 <= v < 92700 and p.backward and p.batch == 1 and p.h_q == 1 and p.s_q == 1 and p.s_kv == 128
-            and p.d_qk == 64):
-        return "cuDNN 9.26 backward-planning crash at B=H_q=S_q=1, S_kv=128, d=64"
     # cuDNN 9.11-9.13 SDPA dropout is broken; PyTorch's own selector refuses it there too.
     if p.dropout_p > 0.0 and DROPOUT_BROKEN[0] <= v < DROPOUT_BROKEN[1]:
         return f"dropout is broken in cuDNN {version_str(v)} (9.11.0 - 9.13.x)"
     return None
+
+
+def _known_issue(p: Problem, c: Capabilities) -> str | None:
+    found = known_issue(c.cudnn_version, c.compute_capability, p)  # the known-issues table
+    return found.message if found else None
 
 
 def _sink_ragged_bwd(p: Problem, c: Capabilities) -> str | None:
@@ -316,6 +321,8 @@ RULES: tuple[Rule, ...] = (
                                    f"and masked paged decode on >= {version_str(PAGED_WIDE_MIN)}; FP8 on >= "
                                    f"{version_str(FP8_MIN)}", _feature),
     Rule(Slug.CUDNN_BUG.value, "no known bug of this cuDNN release for this configuration", _bug),
+    Rule(Slug.CUDNN_KNOWN_ISSUE.value, "not a known-bad cuDNN configuration (the known-issues table below)",
+         _known_issue),
     Rule(Slug.SINK_BACKWARD_RAGGED.value, "varlen sink backward on cuDNN >= 9.26", _sink_ragged_bwd),
     Rule(Slug.SINK_DECODE.value, "no sinks at S_q == 1", _sink_decode),
     Rule(Slug.SEQ_LEN_ONE_BACKWARD.value, "no backward at S_q == S_kv == 1", _seq_one_bwd),

@@ -10,10 +10,13 @@ the plan with fixed tensor uids.
 
 cuDNN's rejections (``cudnnGraphNotSupportedError``, ``ValueError`` on bad attributes, or any
 error during validate/build) become ``NotSupportedError("graph_not_supported", <cuDNN message>)``.
+A key the known-issues table covers (``support.known_issue``, on the graph's own dims) never
+reaches cuDNN: ``NotSupportedError("cudnn_known_issue", <the row>)``, refused the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -25,8 +28,8 @@ import torch
 from ..core import counters, env
 from . import tuning
 from ..core.errors import NotSupportedError
-from ..core.keys import UID, BwdKey, Desc, Fp8Key, FwdKey, describe, writes
-from ..core.support import cudnn_bounds
+from ..core.keys import UID, BwdKey, Desc, Fp8Key, FwdKey, describe, graph_problem, writes
+from ..core.support import cudnn_bounds, known_issue
 
 try:  # importing cudnn never needs a GPU; the backend library is dlopen'ed lazily
     import cudnn
@@ -173,6 +176,7 @@ def plan(key) -> Plan:
     generation = _generation
     started = time.perf_counter()
     try:
+        _refuse_known_bad(key)  # before cuDNN sees the graph: some of these crash the process
         built = _build(key, _handle(key.device))
         built.generation = generation
     except NotSupportedError as exc:
@@ -189,6 +193,24 @@ def plan(key) -> Plan:
     if isinstance(built, tuple):
         raise NotSupportedError(*built)
     return built
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: int) -> tuple:
+    """(cuDNN backend version, compute capability) of ``device``, for the known-issues check."""
+    cc = tuple(torch.cuda.get_device_capability(device)) if torch.cuda.is_available() else None
+    return backend_info()[1], cc
+
+
+def _refuse_known_bad(key) -> None:
+    """The known-issues table on the graph actually built (a bucketed or repaired graph's dims are
+    not its call's), refused like cuDNN's own rejections: ``plan`` remembers it, ``route.call``
+    falls back with its ``cudnn_known_issue`` reason."""
+    version, cc = _device_facts(key.device)
+    found = known_issue(version, cc, graph_problem(key))
+    if found is not None:
+        log.info("not building %s graph: %s", describe(key), found.message)
+        raise NotSupportedError(found.slug, found.message)
 
 
 #: First frontend whose ``graph.execute`` takes ordered buffers with ``tensor_uids`` (1.28 does not).

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from . import backends
+from . import REGISTRY_NAME, backends
 from ..core import markers, scope
 from ..core.scope import Activation
 
@@ -111,7 +111,7 @@ def coexistence() -> list[tuple[str, str]]:
         impl = torch.nn.attention.current_flash_attention_impl()
     except Exception:
         impl = None
-    if impl is not None:
+    if impl is not None and impl != REGISTRY_NAME:  # our own entry is enable() itself
         found.append(("flash_impl_active", f"flash attention implementation {impl!r} is activated; "
                       "varlen calls may be routed by it"))
     if "cudnn.torch" in sys.modules:

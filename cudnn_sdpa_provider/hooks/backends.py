@@ -13,7 +13,9 @@ Two facts of that file shape this module:
   order we let PyTorch choose its default with one selection on tiny CUDA tensors (no kernel runs)
   when CUDA is initialized, or, when it is not, at CUDA's initialization (``torch.cuda._lazy_call``).
 * The enabled flags (``sdpa_kernel([...])``, ``enable_cudnn_sdp``) are the user's restriction: the
-  provider never changes them. A call PyTorch then sends elsewhere is counted ``backend_disabled``.
+  provider never changes them. A call PyTorch then sends elsewhere is counted ``backend_disabled``,
+  and so is a varlen_attn call, which the provider then leaves to PyTorch's kernel on every torch
+  (the one rule: ``route.user_excludes_cudnn``).
 
 Only the order is changed, only when cuDNN is not already first, and restored when the last
 activation ends.

@@ -3,6 +3,7 @@
 Served (our cuDNN graphs, ``dense`` / ``packed`` / ``paged``), through ``route``:
   aten::_scaled_dot_product_cudnn_attention (+ _backward)   CUDA   -> dense_fwd / dense_bwd
   torch_attn::_varlen_attn (+ _backward, _varlen_attn_out)   CUDA   -> varlen_fwd / varlen_bwd
+  aten::_cudnn_attention_forward_no_dropout_inplace (2.15+)   CUDA   -> varlen_fwd
                                                              (the kernels: ``varlen_hooks``)
 Each falls back to the kernel it replaced (fetched with ``torch.library.get_kernel`` before the
 override is registered), so a fallback is PyTorch's own C++ path, bit-exact with native; the cuDNN
@@ -32,6 +33,7 @@ from ..engine.binding import tensor_key
 from ..ops.route import describe_call
 from .varlen_hooks import VARLEN_ARGUMENTS, Varlen as _Varlen, bind as _bind, scale_of as _scale
 from .varlen_hooks import unknown_arguments as _unknown_arguments, varlen_ops as _varlen_ops  # noqa: F401
+from .varlen_hooks import inplace_op as _inplace_op
 
 __all__ = ["Hooks", "VARLEN_ARGUMENTS"]
 
@@ -285,9 +287,12 @@ class Hooks:
         if not self._dense.fwd_original or not self._dense.bwd_original:
             self._dense = None  # a torch without CUDA kernels: CUDA calls cannot happen
         if v and v["_varlen_attn"] is not None and v["_varlen_attn_backward"] is not None and self._dense is not None:
-            fwd, bwd, out = v["_varlen_attn"], v["_varlen_attn_backward"], v["_varlen_attn_out"]
+            fwd, bwd, out, inplace = v["_varlen_attn"], v["_varlen_attn_backward"], v["_varlen_attn_out"], _inplace_op()
+            if inplace is not None and _original(inplace, "CUDA") is None:
+                inplace = None
             self._varlen_kernels = _Varlen(fwd, _original(fwd, "CUDA"), bwd, _original(bwd, "CUDA"), out,
-                                           _original(out, "CUDA") if out is not None else None)
+                                           _original(out, "CUDA") if out is not None else None, inplace,
+                                           _original(inplace, "CUDA") if inplace is not None else None)
         elif self._dense is not None:
             self.problems.append(("varlen_unavailable", "torch.nn.attention.varlen is not in this torch"))
 
@@ -319,6 +324,8 @@ class Hooks:
             self._impl(libs, v["_varlen_attn"], self._varlen_kernels.forward, "CUDA")
             if v["_varlen_attn_out"] is not None:
                 self._impl(libs, v["_varlen_attn_out"], self._varlen_kernels.forward_out, "CUDA")
+            if self._varlen_kernels.inplace_op is not None:
+                self._impl(libs, self._varlen_kernels.inplace_op, self._varlen_kernels.inplace, "CUDA")
         self._fwd = libs
 
     def install_backward(self) -> None:

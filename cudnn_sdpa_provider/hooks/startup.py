@@ -16,6 +16,10 @@ count returns to zero with torch loaded. A script that never imports torch pays 
 torch); a failure to enable prints one line and never breaks the import that triggered it.
 Calling ``run()`` twice is harmless.
 
+``when_torch_loaded(callback)`` uses the same moment for other passive work: the package's
+``__init__`` adds the provider's entry to torch's attention-implementation registry with it
+(``registry``), at once when torch is already imported, else from this hook once it is.
+
 In strict mode, a ``FallbackError`` that ends the program is one line on stderr, as with
 ``cudnn-sdpa run --strict``, but the exit status stays Python's 1 for an uncaught exception: the
 only way to change it from an excepthook (raising ``SystemExit`` there, or ``os._exit`` later)
@@ -31,13 +35,14 @@ import logging
 import sys
 import threading
 
-__all__ = ["run", "activate", "pending"]
+__all__ = ["run", "activate", "pending", "when_torch_loaded"]
 
 _PACKAGE = __name__.partition(".")[0]  # the top package, cudnn_sdpa_provider
 
 _done = False
 _pending: str | None = None  # the mode waiting for torch ("on" / "strict"), None once handled
 _activated = False  # activate() ran: it arranged the report at exit
+_callbacks: list = []  # when_torch_loaded's callbacks waiting for torch
 _lock = threading.Lock()
 _local = threading.local()  # .depth: imports of torch / this package in progress on this thread
 
@@ -118,17 +123,42 @@ def _why(exc: BaseException) -> str:
 
 
 def _finish() -> None:
-    """Enable the pending mode once (whichever thread gets here first)."""
+    """Run the waiting callbacks and enable the pending mode, once (whichever thread gets here first)."""
     global _pending
     with _lock:
         mode, _pending = _pending, None
+        callbacks = list(_callbacks)
+        _callbacks.clear()
         for finder in [f for f in sys.meta_path if isinstance(f, _Hook)]:
             sys.meta_path.remove(finder)
+    for callback in callbacks:
+        _call(callback)
     if mode is not None:
         try:
             activate(mode)
         except Exception as exc:  # never break the user's import
             print(f"cudnn-sdpa-provider: not enabled: {exc!r}", file=sys.stderr)
+
+
+def _call(callback) -> None:
+    try:
+        callback()
+    except Exception as exc:  # never break the user's import
+        print(f"cudnn-sdpa-provider: {getattr(callback, '__name__', callback)} failed: {exc!r}", file=sys.stderr)
+
+
+def when_torch_loaded(callback) -> None:
+    """Run ``callback()`` once torch is fully imported and no module of this package is half-imported:
+    now when that is already so, else from the import hook (installed here when needed). Never
+    imports torch; a callback that raises prints one line and breaks nothing."""
+    with _lock:
+        now = _torch_loaded() and getattr(_local, "depth", 0) == 0
+        if not now:
+            _callbacks.append(callback)
+            if not any(isinstance(f, _Hook) for f in sys.meta_path):
+                sys.meta_path.insert(0, _Hook())
+    if now:
+        _call(callback)
 
 
 def _torch_loaded() -> bool:
@@ -156,7 +186,8 @@ class _Loader(importlib.abc.Loader):
             if module.__spec__ is not None:
                 module.__spec__.loader = self.real
         # torch's own spec is still "initializing" here: it is loaded once its exec returned
-        if _local.depth == 0 and _pending is not None and (module.__name__ == "torch" or _torch_loaded()):
+        waiting = _pending is not None or _callbacks
+        if _local.depth == 0 and waiting and (module.__name__ == "torch" or _torch_loaded()):
             _finish()
 
     def __getattr__(self, name):  # get_resource_reader, is_package, get_source ... of the real loader
@@ -203,5 +234,5 @@ def run() -> None:
         atexit.register(_report_if_never_enabled, path)
     if _torch_loaded() and getattr(_local, "depth", 0) == 0:
         _finish()
-    else:
+    elif not any(isinstance(f, _Hook) for f in sys.meta_path):
         sys.meta_path.insert(0, _Hook())

@@ -3,11 +3,21 @@ torch_attn ops' forward, ``out`` form and backward, bound by argument name (thei
 across torch 2.11-2.15). Served on cuDNN's ragged graphs (``packed``), or with a paged KV cache
 (``block_table`` and ``seqused_k``, torch 2.12+) on the paged graph (``paged``); else PyTorch's
 kernel, with a reason (``route``).
+
+Which calls are ours to serve follows the rule of the dense path (``route.elsewhere``): while the
+user's backend flags exclude cuDNN the call is not served (``backend_disabled``), on every torch;
+on torch 2.15, whose wrapper picks the backend itself and passes it as the ops' trailing
+``backend`` (1 FlashAttention, 3 cuDNN), a call torch sent to FlashAttention is counted
+(``torch_selection``) and runs there. A backward follows what its forward recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
+from torch.nn.attention import SDPBackend
 
 from ..core import markers, scope
 from ..engine import packed, paged
@@ -15,8 +25,10 @@ from ..ops import paged_ops, route
 from ..engine.binding import tensor_key
 from ..ops.route import describe_call
 
-__all__ = ["VARLEN_ARGUMENTS", "Varlen", "bind", "scale_of", "unknown_arguments", "odd_paged_arguments",
-           "varlen_ops"]
+__all__ = ["VARLEN_ARGUMENTS", "FLASH_BACKEND", "CUDNN_BACKEND", "Varlen", "bind", "scale_of", "unknown_arguments",
+           "sent_elsewhere", "odd_paged_arguments", "varlen_ops", "inplace_op"]
+
+_tls = threading.local()  # .native_out: inside our own _varlen_attn_out fallback (its kernel is counted already)
 
 
 def bind(op, args, kwargs) -> dict:
@@ -32,29 +44,47 @@ def scale_of(scale, q) -> float:
 
 
 
-#: What the provider does with each argument of torch_attn::_varlen_attn (2.11 - 2.14 schemas):
+#: torch 2.15's ``backend`` argument of the torch_attn ops (SDPBackend values as ints).
+FLASH_BACKEND = int(SDPBackend.FLASH_ATTENTION)  # 1
+CUDNN_BACKEND = int(SDPBackend.CUDNN_ATTENTION)  # 3
+
+#: What the provider does with each argument of torch_attn::_varlen_attn (2.11 - 2.15 schemas):
 #: "serve" (read and honoured), "paged" (with both: a paged KV cache, served on cuDNN's paged graph;
 #: seqused_k alone falls back with paged_kv), "hint" (a performance hint for FlashAttention's kernel
-#: with no effect on the result; cuDNN plans for itself). Any other argument a newer torch adds
-#: falls back with ``unsupported_argument`` unless it has its schema default.
+#: with no effect on the result; cuDNN plans for itself), "backend" (2.15: the backend torch chose;
+#: ``CUDNN_BACKEND`` is served, ``FLASH_BACKEND`` counted ``torch_selection``, any other value
+#: ``unsupported_argument``). Any other argument a newer torch adds falls back with
+#: ``unsupported_argument`` unless it has its schema default.
 VARLEN_ARGUMENTS = {
     "query": "serve", "key": "serve", "value": "serve", "cu_seq_q": "serve", "cu_seq_k": "serve", "max_q": "serve",
     "max_k": "serve", "is_causal": "serve", "scale": "serve", "window_size": "serve", "enable_gqa": "serve",
-    "seqused_k": "paged", "block_table": "paged", "num_splits": "hint", "out": "serve",
+    "seqused_k": "paged", "block_table": "paged", "num_splits": "hint", "out": "serve", "backend": "backend",
     # backward-only
     "grad_out": "serve", "lse": "serve", "rng_state": "serve",
 }
 
 
 def unknown_arguments(op, a) -> tuple:
-    """Names of arguments this provider does not know, passed with a value other than their default."""
+    """Names of arguments this provider does not know, passed with a value other than their default,
+    and a ``backend`` that is neither FlashAttention nor cuDNN."""
     found = []
     for arg in op._schema.arguments:
-        if arg.name in VARLEN_ARGUMENTS or arg.name not in a:
+        if arg.name not in a:
             continue
-        if not arg.has_default_value() or a[arg.name] != arg.default_value:
+        rule = VARLEN_ARGUMENTS.get(arg.name)
+        if rule == "backend":
+            if a[arg.name] not in (FLASH_BACKEND, CUDNN_BACKEND):
+                found.append(arg.name)
+        elif rule is None and (not arg.has_default_value() or a[arg.name] != arg.default_value):
             found.append(arg.name)
     return tuple(found)
+
+
+def sent_elsewhere(a) -> bool:
+    """A varlen forward the provider must not serve: the user's flags exclude cuDNN (the dense
+    path's rule, ``route.user_excludes_cudnn``), or torch 2.15 sent it to FlashAttention. Never
+    asked of a backward, which follows its forward."""
+    return route.user_excludes_cudnn() or a.get("backend") == FLASH_BACKEND
 
 
 def odd_paged_arguments(q, k, v, cu_q, table, used) -> tuple:
@@ -73,13 +103,26 @@ def odd_paged_arguments(q, k, v, cu_q, table, used) -> tuple:
     return tuple(odd)
 
 
-class Varlen:
-    """torch_attn varlen ops (schemas differ across torch 2.11-2.15, so arguments are bound by name)."""
+@contextlib.contextmanager
+def _native_out():
+    before = getattr(_tls, "native_out", False)
+    _tls.native_out = True
+    try:
+        yield
+    finally:
+        _tls.native_out = before
 
-    def __init__(self, fwd_op, fwd_original, bwd_op, bwd_original, out_op=None, out_original=None):
+
+class Varlen:
+    """torch_attn varlen ops (schemas differ across torch 2.11-2.15, so arguments are bound by name),
+    and torch 2.15's ``aten::_cudnn_attention_forward_no_dropout_inplace`` (``inplace``)."""
+
+    def __init__(self, fwd_op, fwd_original, bwd_op, bwd_original, out_op=None, out_original=None, inplace_op=None,
+                 inplace_original=None):
         self.fwd_op, self.fwd_original = fwd_op, fwd_original
         self.bwd_op, self.bwd_original = bwd_op, bwd_original
         self.out_op, self.out_original = out_op, out_original
+        self.inplace_op, self.inplace_original = inplace_op, inplace_original
 
     @staticmethod
     def _options(a) -> tuple[tuple[int, int], float | None]:
@@ -88,28 +131,29 @@ class Varlen:
             right = 0
         return (int(left), int(right)), a.get("scale")
 
-    def _entry(self, op, a, backward: bool) -> route.Entry:
+    def _entry(self, op, a, backward: bool, bottom_right: bool = True) -> route.Entry:
         q, k, v = a["query"], a["key"], a["value"]
         cu_q = a["cu_seq_q"]
         window, scale = self._options(a)
         table, used = a.get("block_table"), a.get("seqused_k")
         unknown = unknown_arguments(op, a)
+        decide = route.elsewhere if not backward and sent_elsewhere(a) else route.entry
         if table is not None and used is not None:  # a paged KV cache: (pages, page_size, H_k, D) pools
             unknown += odd_paged_arguments(q, k, v, cu_q, table, used)
             signature = (op._schema.name, "paged", q.device.index, tensor_key(q), tensor_key(k), tensor_key(v),
                          cu_q.shape, a["max_q"], tensor_key(table), window, unknown, backward)
-            return route.entry(signature, lambda: paged_ops.problem(
+            return decide(signature, lambda: paged_ops.problem(
                 q.new_empty((cu_q.shape[0] - 1, q.shape[1], a["max_q"], q.shape[2]), device="meta"), k.transpose(1, 2),
                 v.transpose(1, 2), table, None, window, True, backward, unknown), q.device.index)
         paged = used is not None or table is not None
         deterministic = backward and torch.are_deterministic_algorithms_enabled()
         signature = (op._schema.name, q.device.index, route.varlen_key(q, k, v), cu_q.shape, a["max_q"], a["max_k"],
-                     window, paged, unknown, deterministic)
-        return route.entry(signature, lambda: route.varlen_problem(
-            q, k, v, cu_q, a["max_q"], a["max_k"], backward=backward, window=window, bottom_right=True,
+                     window, bottom_right, paged, unknown, deterministic)
+        return decide(signature, lambda: route.varlen_problem(
+            q, k, v, cu_q, a["max_q"], a["max_k"], backward=backward, window=window, bottom_right=bottom_right,
             deterministic=deterministic, paged=paged, unsupported=unknown), q.device.index)
 
-    def _serve_fwd(self, a):
+    def _serve_fwd(self, a, bottom_right: bool = True):
         q, k, v = a["query"], a["key"], a["value"]
         cu_q = a["cu_seq_q"]
         if a.get("block_table") is not None:  # decided by _entry: with seqused_k, int32 on q's device
@@ -123,7 +167,7 @@ class Varlen:
         window, scale = self._options(a)
         # FlashAttention aligns causal masks and windows to the bottom right of each sequence.
         out, lse = packed.forward(q, k, v, cu_q, cu_k, a["max_q"], a["max_k"], scale=scale_of(scale, q),
-                                  window=window, bottom_right=True)
+                                  window=window, bottom_right=bottom_right)
         return out, lse.t().contiguous()  # torch_attn's convention is (H, T)
 
     def forward(self, keyset, *args, **kwargs):
@@ -152,8 +196,32 @@ class Varlen:
             a["out"].copy_(out)
             return lse
 
-        return route.call("varlen_fwd", self._entry(self.out_op, a, False), serve,
-                          lambda reason: self.out_original.call_boxed(keyset, *args, **kwargs),
+        def native(reason):
+            with _native_out():  # torch 2.15's cuDNN branch calls ``inplace``: this call is counted here
+                return self.out_original.call_boxed(keyset, *args, **kwargs)
+
+        return route.call("varlen_fwd", self._entry(self.out_op, a, False), serve, native,
+                          lambda: describe_call(query=a["query"], out=a["out"]))
+
+    def inplace(self, keyset, *args, **kwargs):
+        """``aten::_cudnn_attention_forward_no_dropout_inplace`` (torch 2.15+: varlen_attn_out on cuDNN).
+        Reached from our own ``_varlen_attn_out`` fallback it is that call's native kernel, counted
+        there; any other call is a varlen forward of its own, decided by the same rules. Without
+        ``seqused_k`` cuDNN aligns a causal mask of packed sequences to the top left (torch 2.15's
+        varlen.py), so it is served top-left; with a paged cache, bottom-right, as the paged path does."""
+        if getattr(_tls, "native_out", False):
+            return self.inplace_original.call_boxed(keyset, *args, **kwargs)
+        a = bind(self.inplace_op, args, kwargs)
+        a["cu_seq_q"], a["cu_seq_k"] = a.pop("cum_seq_q"), a.pop("cum_seq_k", None)
+        bottom_right = a.get("seqused_k") is not None
+
+        def serve():
+            out, lse = self._serve_fwd(a, bottom_right)
+            a["out"].copy_(out)
+            return lse
+
+        return route.call("varlen_fwd", self._entry(self.inplace_op, a, False, bottom_right), serve,
+                          lambda reason: self.inplace_original.call_boxed(keyset, *args, **kwargs),
                           lambda: describe_call(query=a["query"], out=a["out"]))
 
     def backward(self, keyset, *args, **kwargs):
@@ -191,3 +259,9 @@ def varlen_ops():
     ns = torch.ops.torch_attn
     names = ("_varlen_attn", "_varlen_attn_backward", "_varlen_attn_out")
     return {n: (getattr(ns, n).default if hasattr(ns, n) else None) for n in names}
+
+
+def inplace_op():
+    """torch 2.15's ``aten::_cudnn_attention_forward_no_dropout_inplace``, or None before 2.15."""
+    name = "_cudnn_attention_forward_no_dropout_inplace"
+    return getattr(torch.ops.aten, name).default if hasattr(torch.ops.aten, name) else None

@@ -30,8 +30,8 @@ from ..engine import machine
 from ..core.errors import FallbackError, NotSupportedError
 from ..core.reasons import Reason, Slug
 
-__all__ = ["Entry", "entry", "fixed", "elsewhere", "call", "reasons_for", "dense_problem", "varlen_problem",
-           "recompute", "describe_call"]
+__all__ = ["Entry", "entry", "fixed", "elsewhere", "user_excludes_cudnn", "call", "reasons_for", "dense_problem",
+           "varlen_problem", "recompute", "describe_call"]
 
 log = logging.getLogger("cudnn_sdpa_provider")
 T = TypeVar("T")
@@ -168,10 +168,19 @@ def fixed(slug: str, message: str) -> Entry:
     return Entry([Reason(str(slug), message)])
 
 
+def user_excludes_cudnn() -> bool:
+    """Whether the user's own SDPA backend flags exclude cuDNN (``sdpa_kernel([...])`` without
+    CUDNN_ATTENTION, ``torch.backends.cuda.enable_cudnn_sdp(False)``). The one rule for every entry
+    point PyTorch calls (F.sdpa's backends, varlen_attn on every torch): such a call is not served
+    (``backend_disabled``); the provider never overrides the user's restriction."""
+    return not torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def elsewhere(signature: tuple, problem: Callable[[], support.Problem], device_index: int | None) -> Entry:
-    """The entry of a call PyTorch sent to a backend other than cuDNN: our own first reason, else
-    ``backend_disabled`` (the user's selection excludes cuDNN) or ``torch_selection``."""
-    key = ("elsewhere", torch.backends.cuda.cudnn_sdp_enabled()) + signature
+    """The entry of a call PyTorch sent to a backend other than cuDNN, or one the user's flags keep
+    off cuDNN (``user_excludes_cudnn``): our own first reason, else ``backend_disabled`` (the user's
+    selection excludes cuDNN) or ``torch_selection``."""
+    key = ("elsewhere", user_excludes_cudnn()) + signature
     cache = _cache()
     found = cache.get(key)
     if found is None:
@@ -184,7 +193,7 @@ def elsewhere(signature: tuple, problem: Callable[[], support.Problem], device_i
 
 
 def _selection_reason(p: support.Problem) -> Reason:
-    if not torch.backends.cuda.cudnn_sdp_enabled():
+    if user_excludes_cudnn():
         return Reason(Slug.BACKEND_DISABLED.value, "cuDNN SDPA is disabled (sdpa_kernel([...]) without CUDNN_ATTENTION, "
                                                    "or torch.backends.cuda.enable_cudnn_sdp(False))")
     return Reason(Slug.TORCH_SELECTION.value, f"PyTorch's SDPA selector did not pick cuDNN for {p.describe()}")
@@ -213,7 +222,7 @@ def call(path: str, found: Entry, serve: Callable[[], T] | None, native: Callabl
     if reason is None and serve is not None:
         try:
             result = serve()
-        except NotSupportedError as exc:  # cuDNN rejected the graph when it was built
+        except NotSupportedError as exc:  # cuDNN rejected the graph, or the known-issues table did
             reason = Reason(exc.reason, exc.detail)
             found.reasons = [reason]  # the signature's later calls fall back at once (no rebinding)
         else:

@@ -67,10 +67,14 @@ OTHER_SOURCES = {
                                "(CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB, default half the free "
                                "device memory).",
     "torch_selection": "`route.elsewhere`: PyTorch's selector sent an F.sdpa call to flash, efficient, math or "
-                       "the CPU kernel although no rule rejects it; the call is counted and runs there.",
+                       "the CPU kernel although no rule rejects it, or torch 2.15's varlen_attn sent a call to "
+                       "FlashAttention (`backend=1`); the call is counted and runs there.",
     "backend_disabled": "`route.elsewhere`: as `torch_selection`, while the user's own flags "
-                        "(`sdpa_kernel`, `enable_cudnn_sdp(False)`) exclude cuDNN. `enable()` never changes them.",
-    "unsupported_argument": "also an F.sdpa call with `return_debug_mask=True` (before 0.2: `dropout`).",
+                        "(`sdpa_kernel`, `enable_cudnn_sdp(False)`) exclude cuDNN; for F.sdpa and for varlen_attn on "
+                        "every torch (`route.user_excludes_cudnn`). `enable()` never changes them.",
+    "unsupported_argument": "also an F.sdpa call with `return_debug_mask=True` (before 0.2: `dropout`), and a "
+                            "varlen_attn op call whose `backend` (torch 2.15) is neither 1 (FlashAttention) nor 3 "
+                            "(cuDNN).",
 }
 
 #: What the constants in ``support`` mean (values are read from the module; a constant missing
@@ -142,6 +146,9 @@ def _problem(kind: str = "dense", **overrides) -> support.Problem:
     return support.Problem(**base)
 
 
+_B200 = support.Capabilities(cuda=True, compute_capability=(10, 0), cudnn_version=92600, device_name="B200")
+
+
 def _h200(version: int) -> support.Capabilities:
     return support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=version, device_name="H200")
 
@@ -159,6 +166,11 @@ def _gates():
          _problem(window=(256, 256), s_q=2048, s_kv=2048), None),
         ("backward B = H_q = S_q = 1, S_kv = 128, d = 64", _h200(92600),
          _problem(backward=True, batch=1, h_q=1, h_k=1, h_v=1, s_q=1, s_kv=128, d_qk=64, d_v=64), None),
+        ("backward B = H_q = S_q = 1, S_kv = 128, d = 64", _h200(92801),
+         _problem(backward=True, batch=1, h_q=1, h_k=1, h_v=1, s_q=1, s_kv=128, d_qk=64, d_v=64), None),
+        ("backward B = 1, H = 2, S_q = 1, S_kv = 128, d = 64", _h200(92501), _problem(
+            backward=True, batch=1, h_q=2, h_k=2, h_v=2, s_q=1, s_kv=128, d_qk=64, d_v=64), None),
+        ("decode forward S_q = 1", _B200, _problem(s_q=1, s_kv=4096), None),
         ("varlen sinks backward", _h200(91900), _problem("varlen", backward=True, sinks=True), None),
         ("dropout 0.1", _h200(91200), _problem(dropout_p=0.1), None),
         ("dropout 0.1 on packed inputs", _h200(91900), _problem("varlen", dropout_p=0.1), None),
@@ -330,6 +342,21 @@ def _rules_section() -> list[str]:
     ]
 
 
+def _known_issues_section() -> list[str]:
+    rows = [(i.issue.replace("#", " #"), i.versions, f"sm_{i.min_cc[0]}{i.min_cc[1]} and newer" if i.min_cc else "any",
+             i.where, i.summary) for i in support.KNOWN_ISSUES]
+    return ["## Known-bad cuDNN configurations", "",
+            "`support.KNOWN_ISSUES`: configurations a cuDNN release is publicly known to crash on or compute wrong. "
+            "A call they cover falls back with `cudnn_known_issue` (rule above), and so does a call whose graph "
+            "they cover: `graphs.plan` checks each graph key's own dims before cuDNN sees it (a bucketed packed "
+            "graph is built for a longer S than its call's). Where an issue's reach is unclear a row covers more "
+            "than its reproducer. `cudnn-sdpa doctor` lists the rows that apply to its machine.", ""] + _table(
+        ("issue", "cuDNN", "GPU", "covers", "what goes wrong"), rows) + [
+        "", "pytorch/pytorch #196861 (cuDNN 9.26 in PyTorch, \"guards for failing <= 9.25.1 cases\", fixing "
+        "pytorch/pytorch #196678) has no row: its public description does not say which cases it guards. The "
+        "guards of torch 2.15's own cuDNN checks that apply to this package's graphs are the rules above."]
+
+
 def _gates_section() -> list[str]:
     rows = []
     for call, caps, problem, limit in _gates():
@@ -379,7 +406,7 @@ def support_page() -> str:
         "feature list below on your machine.",
         "",
     ]
-    for section in (_constants_section, _rules_section, _gates_section, _features_section):
+    for section in (_constants_section, _rules_section, _known_issues_section, _gates_section, _features_section):
         lines += section() + [""]
     return "\n".join(lines[:-1]) + "\n"
 

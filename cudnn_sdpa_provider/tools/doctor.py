@@ -1,4 +1,5 @@
-"""The rows of ``cudnn-sdpa doctor``: versions, device, startup hook, features, coexistence, self-test.
+"""The rows of ``cudnn-sdpa doctor``: versions, device, startup hook, features, the known-bad cuDNN
+configurations that apply here, coexistence, self-test.
 
 Data only (``diagnostics.DoctorRow`` tuples); ``cli`` prints them. Every check that does not run
 still has a row, ``skipped: <why>``, so a missing line never has to be interpreted.
@@ -114,11 +115,12 @@ def _self_test(caps, run_self_test: bool) -> list:
 def doctor_rows(run_self_test: bool = True) -> list:
     """Every row of the doctor, in display order (``diagnostics.DoctorRow``)."""
     from ..engine import machine
-    from ..diagnostics import DoctorRow, feature_rows
+    from ..diagnostics import DoctorRow, feature_rows, known_issue_rows
 
     caps = machine.capabilities()
     rows = _versions(caps) + _startup_hook()
     rows += feature_rows(caps) if caps.cuda else [DoctorRow("features", "all", False, "no: no_cuda (no CUDA device)")]
+    rows += known_issue_rows(caps)
     rows += _coexistence()
     rows += _self_test(caps, run_self_test)
     return rows
