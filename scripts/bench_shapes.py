@@ -198,6 +198,25 @@ def hf_dynamic_padding(path: str, steps: int = 50) -> list[dict]:
              "builds": _builds() - builds0 if builds0 >= 0 else None}]
 
 
+def profile_first_calls(path: str = "provider") -> None:
+    """cProfile of 32 first calls at new decode lengths (host cost of a new length), to stderr."""
+    import cProfile
+    import pstats
+
+    with _scope(path):
+        q, k, v = _decode_inputs(64)
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        inputs = [_decode_inputs(s) for s in range(4100, 4132)]
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for x in inputs:
+            F.scaled_dot_product_attention(*x, enable_gqa=True)
+        torch.cuda.synchronize()
+        prof.disable()
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+
+
 def _child(args: list[str]) -> list[dict]:
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=900)
     if proc.returncode:
@@ -225,7 +244,7 @@ def run_all(batches) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("new_length", "hf_generate", "hf_dynamic_padding", "all"))
+    parser.add_argument("what", choices=("new_length", "hf_generate", "hf_dynamic_padding", "profile", "all"))
     parser.add_argument("path", nargs="?", choices=HF_PATHS)
     parser.add_argument("batch", nargs="?", type=int, default=1)
     parser.add_argument("--json", help="all: write the rows here")
@@ -241,6 +260,9 @@ def main(argv=None) -> int:
                 json.dump(rows, f, indent=1)
         for row in rows:
             print(json.dumps(row))
+        return 0
+    if a.what == "profile":
+        profile_first_calls()
         return 0
     if a.what == "new_length":
         rows = new_length(a.path)
