@@ -221,3 +221,27 @@ def test_padded_calls_fold_with_their_own_lengths(fake, kind):
         assert torch.isnan(got[2]).all(), f"{name} of the bad batch row is NaN"
     assert (dq[1, :, 6:] == 0).all() and (dk[1, :, 6:] == 0).all(), "rows past a length are 0"
     assert sum(isinstance(g.key, BwdKey) and g.key.ragged for g in fake) == 1
+
+
+def test_a_new_length_reuses_the_small_tensors_it_can(fake):
+    """Decode at a new length: Q's offsets, its length and V's offsets (K's strides) come from the
+    value cache; only K/V's offsets and the KV length are new."""
+    gen = torch.Generator().manual_seed(13)
+    folded._tls.small = folded.OrderedDict()  # this thread's value cache, empty
+    q, k, v = _operands("contiguous", 2, 8, 2, 1, 21, 8, gen)
+    dense.forward(q, k, v, scale=0.3, compute_lse=False)
+    before = len(folded._tls.small)
+    q, k, v = _operands("contiguous", 2, 8, 2, 1, 22, 8, gen)
+    dense.forward(q, k, v, scale=0.3, compute_lse=False)
+    assert len(folded._tls.small) - before == 2, "one offsets tensor (K and V share strides), one length"
+
+
+def test_a_binding_made_during_a_capture_is_its_own(monkeypatch):
+    """Under CUDA-graph capture the signature is marked, so a captured call never reuses a folded
+    binding's device tensors (a replay after its eviction would read freed memory)."""
+    q = torch.empty(1, 2, 3, 8, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert folded.capture_safe(("sig",), q) == ("sig", "cuda_graph_capture")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert folded.capture_safe(("sig",), q) == ("sig",)

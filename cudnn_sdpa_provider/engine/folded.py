@@ -35,6 +35,9 @@ captured (the offsets this module computes on the device must exist before a cap
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import torch
 
 from . import binding as bd
@@ -42,7 +45,7 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
+__all__ = ["seqlen_bucket", "mode", "capture_safe", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -145,15 +148,50 @@ def _offsets(t: torch.Tensor, h_kv: int, groups: int) -> torch.Tensor:
     (the last entry, B * stride_b, is the end). One kernel when the folds are evenly spaced."""
     sb, sg = _fold_strides(t, h_kv, groups)
     n = t.shape[0] * h_kv
+    return _cached(("off", t.device, n, h_kv, sb, sg), lambda: _make_offsets(t.device, n, h_kv, sb, sg))
+
+
+def _make_offsets(device, n: int, h_kv: int, sb: int, sg: int) -> torch.Tensor:
     step = sb if h_kv == 1 else sg if sb == h_kv * sg else None
     if step:
-        return torch.arange(0, (n + 1) * step, step, dtype=torch.int32, device=t.device).view(-1, 1, 1, 1)
-    i = torch.arange(n + 1, dtype=torch.int64, device=t.device)
+        return torch.arange(0, (n + 1) * step, step, dtype=torch.int32, device=device).view(-1, 1, 1, 1)
+    i = torch.arange(n + 1, dtype=torch.int64, device=device)
     return ((i // h_kv) * sb + (i % h_kv) * sg).to(torch.int32).view(-1, 1, 1, 1)
 
 
 def _lengths(n: int, s: int, device) -> torch.Tensor:
-    return torch.full((n, 1, 1, 1), s, dtype=torch.int32, device=device)
+    return _cached(("len", device, n, s), lambda: torch.full((n, 1, 1, 1), s, dtype=torch.int32, device=device))
+
+
+#: How many of the folds' small device tensors (lengths, offsets) each thread keeps, by value.
+SMALL_KEPT = 1024
+_tls = threading.local()
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    """A small constant device tensor by value (never written after it is made): a decode loop's
+    new length then costs one or two kernels, not eight. Per thread, bounded (LRU); bindings hold
+    the tensors they use, so an eviction here frees nothing a binding still needs."""
+    cache = getattr(_tls, "small", None)
+    if cache is None:
+        cache = _tls.small = OrderedDict()
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = make()
+        while len(cache) > SMALL_KEPT:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return found
+
+
+def capture_safe(signature: tuple, q: torch.Tensor) -> tuple:
+    """``signature``, marked when a CUDA graph is being captured: a captured graph must not read
+    a binding's device tensors (an evicted binding frees them, and a replay would read freed
+    memory), so calls under capture get bindings of their own, on exact graphs (``applies``)."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return signature + ("cuda_graph_capture",)
+    return signature
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:
