@@ -245,3 +245,30 @@ def test_a_binding_made_during_a_capture_is_its_own(monkeypatch):
     assert folded.capture_safe(("sig",), q) == ("sig", "cuda_graph_capture")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert folded.capture_safe(("sig",), q) == ("sig",)
+
+
+def test_builds_are_counted_in_the_report_the_meta_and_the_doctor(fake, monkeypatch):
+    """Issue: builds are visible. Each graph build is counted with its host time in ``csp.report()``,
+    the report file's meta and the doctor; the plan list stays bounded however many lengths ran."""
+    import cudnn_sdpa_provider as csp
+    from cudnn_sdpa_provider.core import counters
+    from cudnn_sdpa_provider.hooks import telemetry
+    from cudnn_sdpa_provider.tools import doctor
+
+    before = counters.stats()
+    gen = torch.Generator().manual_seed(14)
+    monkeypatch.setenv(env.SHAPE_BUCKETS, "0")  # an exact graph per length: many configurations
+    for s in range(3, 3 + counters.PLANS_KEPT + 8):
+        q, k, v = _operands("contiguous", 1, 2, 2, s, s, 8, gen)
+        dense.forward(q, k, v, scale=0.3)
+    after = counters.stats()
+    built = (after - before).builds["built"]
+    assert built == counters.PLANS_KEPT + 8 and (after - before).builds["build_ms"] >= 0
+    assert len(after.plans) == counters.PLANS_KEPT, "the plan list is bounded"
+    report = csp.report()
+    assert f"cuDNN graphs built: {after.builds['built']}" in report
+    assert report.count(" <- ") == counters.PLANS_KEPT
+    assert telemetry.report_data()["meta"]["graph_builds"]["built"] == after.builds["built"]
+    rows = {(r.section, r.label): r.value for r in doctor.doctor_rows(run_self_test=False)}
+    assert rows[("graphs", "built")].startswith(f"{after.builds['built']} cuDNN graphs")
+    assert "shape buckets: off" in rows[("graphs", "cache")]

@@ -112,6 +112,18 @@ def _self_test(caps, run_self_test: bool) -> list:
         return [Row("self-test", "run", False, f"{type(exc).__name__}: {exc}")]
 
 
+def _graph_rows() -> list:
+    """The graph cache's settings and this process's builds (the self-test's, in a fresh process)."""
+    from ..core import counters, env
+    from ..diagnostics import DoctorRow as Row
+
+    b = counters.stats().builds
+    return [Row("graphs", "cache", None, f"{env.cache_size()} graphs per thread (LRU), shape buckets: "
+                                           f"{env.shape_buckets()} ({env.SHAPE_BUCKETS})"),
+            Row("graphs", "built", None, f"{b['built']} cuDNN graphs in this process ({b['build_ms']:.0f} ms), "
+                                           f"{b['rejected']} rejected by cuDNN")]
+
+
 def doctor_rows(run_self_test: bool = True) -> list:
     """Every row of the doctor, in display order (``diagnostics.DoctorRow``)."""
     from ..engine import machine
@@ -123,4 +135,5 @@ def doctor_rows(run_self_test: bool = True) -> list:
     rows += known_issue_rows(caps)
     rows += _coexistence()
     rows += _self_test(caps, run_self_test)
+    rows += _graph_rows()
     return rows
