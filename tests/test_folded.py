@@ -236,15 +236,33 @@ def test_a_new_length_reuses_the_small_tensors_it_can(fake):
     assert len(folded._tls.small) - before == 2, "one offsets tensor (K and V share strides), one length"
 
 
-def test_a_binding_made_during_a_capture_is_its_own(monkeypatch):
-    """Under CUDA-graph capture the signature is marked, so a captured call never reuses a folded
-    binding's device tensors (a replay after its eviction would read freed memory)."""
-    q = torch.empty(1, 2, 3, 8, device="meta")
+def test_a_captured_binding_keeps_its_device_tensors_for_good(fake, monkeypatch):
+    """A CUDA graph captured with a folded binding reads its offsets and lengths at every replay: once
+    a call runs under capture, those tensors are kept even after the binding and the value cache
+    are cleared (here on the fake's CPU tensors, the capture check forced on)."""
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = _operands("contiguous", 1, 4, 2, 1, 19, 8, gen)
+    dense.forward(q, k, v, scale=0.3, compute_lse=False)  # the warm-up makes the binding
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert folded.capture_safe(("sig",), q) == ("sig", "cuda_graph_capture")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert folded.capture_safe(("sig",), q) == ("sig",)
+    folded._captured.clear()
+    dense.forward(q, k, v, scale=0.3, compute_lse=False)  # "captured": the same binding, kept
+    monkeypatch.undo()
+    kept = list(folded._captured.values())
+    assert len(kept) == 1 and all(isinstance(t, torch.Tensor) for t in kept[0])
+    graphs.clear_cache()
+    folded._tls.small = folded.OrderedDict()
+    assert list(folded._captured.values()) == kept, "clearing the caches frees nothing a capture reads"
+
+
+def test_no_folded_binding_is_made_during_a_capture(monkeypatch):
+    monkeypatch.setattr(folded, "_FAKE_DEVICES", {"cpu"})
+    q = torch.randn(1, 2, 3, 8)
+    assert folded.applies(q, q, q)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not folded.applies(q, q, q)
 
 
 def test_builds_are_counted_in_the_report_the_meta_and_the_doctor(fake, monkeypatch):

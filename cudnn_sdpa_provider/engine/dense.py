@@ -131,7 +131,6 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
                      dropout_p, compute_lse, rng_dump is not None)
     if bias is not None:
         bias = bias_operand(bias, q, k)
-    signature = folded.capture_safe(signature, q)
     found = bd.lookup(signature)
     if found is None:
         found = _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right,
@@ -254,7 +253,6 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
                      deterministic)
     if bias is not None:
         bias = bias_operand(bias, q, k)
-    signature = folded.capture_safe(signature, q)
     found = bd.lookup(signature)
     if found is None:
         found = _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window,

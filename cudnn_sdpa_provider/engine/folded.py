@@ -45,7 +45,7 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "capture_safe", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
+__all__ = ["seqlen_bucket", "mode", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -185,13 +185,16 @@ def _cached(key: tuple, make) -> torch.Tensor:
     return found
 
 
-def capture_safe(signature: tuple, q: torch.Tensor) -> tuple:
-    """``signature``, marked when a CUDA graph is being captured: a captured graph must not read
-    a binding's device tensors (an evicted binding frees them, and a replay would read freed
-    memory), so calls under capture get bindings of their own, on exact graphs (``applies``)."""
+_captured: dict = {}  # id -> the device tensors of every binding a CUDA graph captured, kept for good
+
+
+def _keep_if_captured(found: Binding, q: torch.Tensor) -> None:
+    """A CUDA graph captured with a folded binding reads the binding's device tensors (offsets,
+    lengths) at every replay, by address: keep them alive for good, whatever later evicts the binding
+    or the value cache (a handful of small tensors per captured configuration). A folded binding is
+    never made during a capture (``applies``); one made before it, by the warm-up, is used as is."""
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return signature + ("cuda_graph_capture",)
-    return signature
+        _captured[id(found.extra["tensors"])] = found.extra["tensors"]
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:
@@ -268,6 +271,7 @@ def run_forward(found: Binding, q, k, v, compute_lse: bool, lengths=None):
     (seq_len_q, seq_len_kv)): then the caller fixes the rows past them."""
     ex = found.extra
     groups = ex["groups"]
+    _keep_if_captured(found, q)
     qr = _token_major(q).copy_(q) if found.fix else q
     (size, stride), = found.outputs
     out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
@@ -330,6 +334,7 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
 def run_backward(found: Binding, grad_out, q, k, v, out, lse, lengths=None):
     """(dq, dk, dv) of a folded backward through its binding (``lengths`` as for ``run_forward``)."""
     ex = found.extra
+    _keep_if_captured(found, q)
     copy_q, copy_o, copy_do = found.repair
     qr = _token_major(q).copy_(q) if copy_q else q
     outr = _token_major(out).copy_(out) if copy_o else out
