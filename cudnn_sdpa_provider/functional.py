@@ -11,6 +11,8 @@ returned LSE carries no gradient.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .core import arguments, rows, scope, support
@@ -70,13 +72,9 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         >>> tuple(out.shape)
         (1, 2, 8, 16)
     """
-    varlen = cu_seqlens_q is not None
-    paged = block_table is not None
-    if arguments.kv_layout(kv_layout, paged) == "NHD":  # served as HND views of the same storage
-        k, v = (t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (k, v))
-    if paged:
-        _paged_heads(q, k, v, kv_layout)
-    arguments.common(q, k, v, sinks, 3 if varlen else 4, 4 if paged else None)
+    paged, packed = block_table is not None, cu_seqlens_q is not None
+    k, v = _kv_views(q, k, v, kv_layout, paged)
+    arguments.common(q, k, v, sinks, 3 if packed else 4, 4 if paged else None)
     window = arguments.window(is_causal, window)
     arguments.flag("bottom_right", bottom_right)
     arguments.flag("return_lse", return_lse)
@@ -84,30 +82,45 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
     scale = arguments.scale(scale, q.shape[-1])
     dropout_p = arguments.dropout(dropout_p)
     check_values = (validate if validate is not None else q.device.type == "cpu") and arguments.readable(q)
-    sinks32 = sinks.float() if sinks is not None else None
     # Compiled code cannot read the scope while tracing; its kernels read it when they run.
     fallback = torch.compiler.is_compiling() or not scope.strict()
+    c = _Common(scale, window, bottom_right, sinks, sinks.float() if sinks is not None else None, return_lse,
+                fallback, check_values)
     if paged:
-        if cu_seqlens_kv is not None or max_seqlen_kv is not None:
-            raise ValueError("cu_seqlens_kv / max_seqlen_kv are not used with block_table: the keys are the cache's, "
-                             "seq_lens_kv (B,) says how many each sequence has")
-        if dropout_p:
-            raise ValueError("dropout_p is not supported with block_table (a paged KV cache is for inference)")
-        if varlen:
-            out, lse = _paged_packed(q, k, v, block_table, cu_seqlens_q, max_seqlen_q, scale, window, bottom_right,
-                                     sinks32, seq_lens_q, seq_lens_kv, return_lse, fallback, check_values)
-        elif max_seqlen_q is not None:
-            raise ValueError("max_seqlen_q is for packed queries; pass cu_seqlens_q too, or seq_lens_q for a dense q")
-        else:
-            out, lse = _paged(q, k, v, block_table, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv,
-                              return_lse, fallback, check_values)
-        return (out, lse) if return_lse else out
-    if varlen:
-        if dropout_p:
-            raise ValueError("dropout_p is not supported with packed (cu_seqlens) inputs; use dense inputs")
-        return _varlen(q, k, v, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv, cu_seqlens_q,
-                       cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, return_lse, fallback, check_values)
-    if cu_seqlens_kv is not None or max_seqlen_q is not None or max_seqlen_kv is not None:
+        return _paged(q, k, v, block_table, seq_lens_q, seq_lens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                      max_seqlen_kv, dropout_p, c)
+    if packed:
+        return _packed(q, k, v, seq_lens_q, seq_lens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                       dropout_p, c)
+    return _dense(q, k, v, seq_lens_q, seq_lens_kv, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, dropout_p, c)
+
+
+class _Common(NamedTuple):
+    """What ``attention`` checked the same way for every kind of call."""
+    scale: float
+    window: tuple[int, int]
+    bottom_right: bool
+    sinks: torch.Tensor | None
+    sinks32: torch.Tensor | None
+    return_lse: bool
+    fallback: bool
+    check_values: bool
+
+
+def _kv_views(q, k, v, kv_layout, paged):
+    """The kv_layout rule (required with block_table, refused without): NHD caches are served as HND
+    views of the same storage. Their heads are checked here, before ``arguments.common``'s generic
+    GQA check, so that a cache in the other layout is named as such."""
+    if arguments.kv_layout(kv_layout, paged) == "NHD":
+        k, v = (t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (k, v))
+    if paged:
+        _paged_heads(q, k, v, kv_layout)
+    return k, v
+
+
+def _dense(q, k, v, seq_lens_q, seq_lens_kv, cu_kv, max_q, max_kv, dropout_p, c):
+    """Dense (B, H, S, D) inputs, optionally padded (seq_lens): checks, then ``dense_fwd``."""
+    if cu_kv is not None or max_q is not None or max_kv is not None:
         raise ValueError("cu_seqlens_kv / max_seqlen_q / max_seqlen_kv are for packed inputs; pass cu_seqlens_q too")
     if (seq_lens_q is None) != (seq_lens_kv is None):
         raise ValueError("pass both seq_lens_q and seq_lens_kv (padded batches), or neither")
@@ -117,20 +130,22 @@ def attention(q, k, v, *, scale=None, is_causal=False, window=(-1, -1), bottom_r
         given = seq_lens_q, seq_lens_kv  # checked as given: an int64 value is reported as it is, not clamped
         seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, q.shape[0], q.device)
         seq_lens_kv = arguments.lengths("seq_lens_kv", seq_lens_kv, q.shape[0], q.device)
-        if check_values:
+        if c.check_values:
             arguments.check_lengths("seq_lens_q", given[0], q.shape[2], "S_q")
             arguments.check_lengths("seq_lens_kv", given[1], k.shape[2], "S_kv")
     philox = rows.new_philox(q.device) if dropout_p > 0.0 else None
-    eager = ops.eager(q, k, v, sinks, seq_lens_q, seq_lens_kv)
+    eager = ops.eager(q, k, v, c.sinks, seq_lens_q, seq_lens_kv)
     fwd = ops.DenseFunction.apply if eager else torch.ops.cudnn_sdpa.dense_fwd
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-    out, lse = fwd(q, k, v, sinks32, None, seq_lens_q, seq_lens_kv, philox, scale, dropout_p, window[0], window[1],
-                   bottom_right, return_lse or grad, fallback)
-    return (out, lse) if return_lse else out
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.sinks))
+    out, lse = fwd(q, k, v, c.sinks32, None, seq_lens_q, seq_lens_kv, philox, c.scale, dropout_p, c.window[0],
+                   c.window[1], c.bottom_right, c.return_lse or grad, c.fallback)
+    return (out, lse) if c.return_lse else out
 
 
-def _varlen(q, k, v, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max_q, max_kv,
-            return_lse, fallback, check_values):
+def _packed(q, k, v, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max_q, max_kv, dropout_p, c):
+    """Packed (T, H, D) inputs with cu_seqlens: checks, then ``varlen_fwd``."""
+    if dropout_p:
+        raise ValueError("dropout_p is not supported with packed (cu_seqlens) inputs; use dense inputs")
     if seq_lens_q is not None or seq_lens_kv is not None:
         raise ValueError("seq_lens_q/seq_lens_kv are for padded dense inputs; packed inputs use cu_seqlens")
     given = (cu_q, cu_q if cu_kv is None else cu_kv)  # checked as given (int64 values unclamped)
@@ -143,17 +158,35 @@ def _varlen(q, k, v, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_
     max_kv = arguments.max_seqlen("max_seqlen_kv", max_kv, k.shape[0], "k")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
-    if check_values:
+    if c.check_values:
         arguments.check_cu_seqlens("cu_seqlens_q", given[0], q.shape[0], "max_seqlen_q", max_q)
         if cu_kv is not cu_q:
             arguments.check_cu_seqlens("cu_seqlens_kv", given[1], k.shape[0], "max_seqlen_kv", max_kv)
         elif k.shape[0] != q.shape[0] or max_kv < max_q:
             arguments.check_cu_seqlens("cu_seqlens_q (as cu_seqlens_kv)", given[1], k.shape[0], "max_seqlen_kv",
                                        max_kv)
-    eager = ops.eager(q, k, v, sinks32, cu_q, cu_kv)
+    eager = ops.eager(q, k, v, c.sinks32, cu_q, cu_kv)
     fwd = ops.VarlenFunction.apply if eager else torch.ops.cudnn_sdpa.varlen_fwd
-    out, lse = fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks32, scale, window[0], window[1], bottom_right, fallback)
-    return (out, lse) if return_lse else out
+    out, lse = fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, c.sinks32, c.scale, c.window[0], c.window[1], c.bottom_right,
+                   c.fallback)
+    return (out, lse) if c.return_lse else out
+
+
+def _paged(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max_q, max_kv, dropout_p, c):
+    """A paged KV cache (block_table), q dense or packed: the paged refusals, then ``paged_fwd``
+    (packed queries through a padded dense q)."""
+    if cu_kv is not None or max_kv is not None:
+        raise ValueError("cu_seqlens_kv / max_seqlen_kv are not used with block_table: the keys are the cache's, "
+                         "seq_lens_kv (B,) says how many each sequence has")
+    if dropout_p:
+        raise ValueError("dropout_p is not supported with block_table (a paged KV cache is for inference)")
+    if cu_q is not None:
+        out, lse = _paged_packed(q, k_cache, v_cache, table, cu_q, max_q, seq_lens_q, seq_lens_kv, c)
+    elif max_q is not None:
+        raise ValueError("max_seqlen_q is for packed queries; pass cu_seqlens_q too, or seq_lens_q for a dense q")
+    else:
+        out, lse = _paged_dense(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, c)
+    return (out, lse) if c.return_lse else out
 
 
 def _paged_heads(q, k_cache, v_cache, kv_layout):
@@ -172,8 +205,8 @@ def _paged_heads(q, k_cache, v_cache, kv_layout):
                              f"is the cache in the other layout?")
 
 
-def _paged(q, k_cache, v_cache, table, scale, window, bottom_right, sinks32, seq_lens_q, seq_lens_kv, return_lse,
-           fallback, check_values):
+def _paged_dense(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, c):
+    """Dense (B, H, S_q, D) queries over a paged cache: checks, then ``paged_fwd`` (or, with grad, the composite)."""
     b, s_q = q.shape[0], q.shape[2]
     given = table  # values are checked as given: an int64 entry of 2**33 is reported as 2**33, not clamped
     table = arguments.block_table(table, b, q.device)
@@ -187,21 +220,21 @@ def _paged(q, k_cache, v_cache, table, scale, window, bottom_right, sinks32, seq
     if seq_lens_q is None:
         seq_lens_q = torch.full((b,), s_q, dtype=torch.int32, device=q.device)
     seq_lens_q = arguments.lengths("seq_lens_q", seq_lens_q, b, q.device)
-    if check_values:
+    if c.check_values:
         arguments.check_lengths("seq_lens_q", seq_lens_q if given[1] is None else given[1], s_q, "S_q")
         arguments.check_lengths("seq_lens_kv", given[2], table.shape[1] * k_cache.shape[2], "M x block_size")
         arguments.check_block_table(given[0], seq_lens_kv, k_cache.shape[0], k_cache.shape[2])
+    sinks32 = c.sinks32
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks32)):
-        return _paged_with_grad(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window,
-                                bottom_right)
+        return _paged_with_grad(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, c.scale, c.window,
+                                c.bottom_right)
     eager = ops.eager(q, k_cache, v_cache, sinks32, table, seq_lens_q, seq_lens_kv)
     fwd = paged_ops.run_eager[q.device.type] if eager else torch.ops.cudnn_sdpa.paged_fwd
-    return fwd(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window[0], window[1],
-               bottom_right, return_lse, fallback)
+    return fwd(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, c.scale, c.window[0], c.window[1],
+               c.bottom_right, c.return_lse, c.fallback)
 
 
-def _paged_packed(q, k_cache, v_cache, table, cu_q, max_q, scale, window, bottom_right, sinks32, seq_lens_q,
-                  seq_lens_kv, return_lse, fallback, check_values):
+def _paged_packed(q, k_cache, v_cache, table, cu_q, max_q, seq_lens_q, seq_lens_kv, c):
     """Packed (T, H, D) queries over a paged cache: placed in a padded (B, H, max_seqlen_q, D) batch,
     attended as a dense q, and gathered back (copies of q and out only; the cache is read in place)."""
     if seq_lens_q is not None:
@@ -209,14 +242,11 @@ def _paged_packed(q, k_cache, v_cache, table, cu_q, max_q, scale, window, bottom
     given = cu_q
     cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_q, q.device)
     max_q = arguments.max_seqlen("max_seqlen_q", max_q, q.shape[0], "q")
-    if check_values:
+    if c.check_values:
         arguments.check_cu_seqlens("cu_seqlens_q", given, q.shape[0], "max_seqlen_q", max_q)
     q_padded, lens_q, index, bad = paged_ops.pack_query(q, cu_q, max_q)
-    out, lse = _paged(q_padded, k_cache, v_cache, table, scale, window, bottom_right, sinks32, lens_q, seq_lens_kv,
-                      return_lse, fallback, check_values)
-    return paged_ops.unpack(out, lse if return_lse else None, index, bad, q)
-
-
+    out, lse = _paged_dense(q_padded, k_cache, v_cache, table, lens_q, seq_lens_kv, c)
+    return paged_ops.unpack(out, lse if c.return_lse else None, index, bad, q)
 @torch.compiler.disable  # eager even inside compiled code (a graph break), so that each call is counted
 def _paged_with_grad(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, scale, window, bottom_right):
     """A paged call that needs grad: the differentiable composite (cuDNN's paged graph has no backward)."""
