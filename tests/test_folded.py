@@ -249,7 +249,7 @@ def test_a_captured_binding_keeps_its_device_tensors_for_good(fake, monkeypatch)
     dense.forward(q, k, v, scale=0.3, compute_lse=False)  # "captured": the same binding, kept
     monkeypatch.undo()
     kept = list(folded._captured.values())
-    assert len(kept) == 1 and all(isinstance(t, torch.Tensor) for t in kept[0])
+    assert len(kept) == 1 and all(isinstance(t, torch.Tensor) for t in kept[0]["tensors"])
     graphs.clear_cache()
     folded._tls.small = folded.OrderedDict()
     assert list(folded._captured.values()) == kept, "clearing the caches frees nothing a capture reads"

@@ -133,7 +133,7 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        found = _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right,
+        found = _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window, bottom_right,
                               compute_lse)
         found = bd.store(signature, found or _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window,
                                                            bottom_right, dropout_p, compute_lse, rng_dump))
@@ -182,11 +182,11 @@ def _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_l
     return out, lse
 
 
-def _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
+def _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
     """A folded forward binding (``folded``), or None: not foldable, not wanted, or refused by
     cuDNN (the exact graph is then tried: a rejection of the folded form is no reason to fall back)."""
-    if not folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, dropout_p=dropout_p,
-                          rng_dump=rng_dump):
+    if not folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                          dropout_p=dropout_p, rng_dump=rng_dump):
         return None
     wanted = _fold_wanted(q.shape[2], k.shape[2])
     if wanted is False:
@@ -198,10 +198,11 @@ def _fold_forward(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, w
         return None
 
 
-def _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window, bottom_right,
+def _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, dropout_p, scale, window, bottom_right,
                    deterministic):
     """As ``_fold_forward``, for the backward (grad_out and out must fold too)."""
-    if not (folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, dropout_p=dropout_p)
+    if not (folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                           dropout_p=dropout_p)
             and layout.usable(out) and layout.usable(grad_out)):
         return None
     wanted = _fold_wanted(q.shape[2], k.shape[2])
@@ -255,7 +256,7 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        found = _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window,
+        found = _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, dropout_p, scale, window,
                                bottom_right, deterministic)
         found = bd.store(signature, found or _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q,
                                                             philox, scale, window, bottom_right, dropout_p,

@@ -90,12 +90,14 @@ def _end(t: torch.Tensor, h_kv: int, groups: int) -> int:
     return t.shape[0] * sb + sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:])) + 1
 
 
-def applies(q, k, v, *, bias=None, sinks=None, seq_len_q=None, dropout_p=0.0, rng_dump=None) -> bool:
+def applies(q, k, v, *, bias=None, sinks=None, seq_len_q=None, seq_len_kv=None, dropout_p=0.0,
+            rng_dump=None) -> bool:
     """Whether a dense call can run on the folded, length-bucketed graphs (pure shape/stride checks;
     see the module docstring for what is left to the exact graphs)."""
     if bias is not None or sinks is not None or dropout_p > 0.0 or rng_dump is not None:
         return False
-    if seq_len_q is not None and (seq_len_q.dtype != torch.int32 or seq_len_q.numel() != q.shape[0]):
+    if seq_len_q is not None and any(t is None or t.dtype != torch.int32 or t.shape != (q.shape[0],)
+                                     for t in (seq_len_q, seq_len_kv)):
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
         return False
@@ -194,7 +196,7 @@ def _keep_if_captured(found: Binding, q: torch.Tensor) -> None:
     or the value cache (a handful of small tensors per captured configuration). A folded binding is
     never made during a capture (``applies``); one made before it, by the warm-up, is used as is."""
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        _captured[id(found.extra["tensors"])] = found.extra["tensors"]
+        _captured[id(found.extra)] = found.extra  # offsets, lengths and the dead-row mask
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:
@@ -243,6 +245,8 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
                  window=tuple(window), bottom_right=bool(bottom_right), ragged=True)
     uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ()) + (
         UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O) + ((UID.RAG_LSE,) if compute_lse else ())
+    if max(_end(t, h_kv, groups) for t in (qr, out_buf, lse_buf)) > _INT32_MAX:
+        return None  # int32 ragged offsets: the exact graph
     plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
     if plan is None:
         return None
@@ -315,6 +319,9 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
                  bottom_right=bool(bottom_right), ragged=True, deterministic=bool(deterministic), padded_lse=True)
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV,
             UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
+    if max([_end(t, h_kv, groups) for t in (qr, outr, do, bufs[0])]
+           + [_end(t, h_kv, 1) for t in bufs[1:]]) > _INT32_MAX:
+        return None  # int32 ragged offsets: the exact graph
     plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
     if plan is None:
         return None
