@@ -182,37 +182,36 @@ def _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_l
     return out, lse
 
 
-def _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
-    """A folded forward binding (``folded``), or None: not foldable, not wanted, or refused by
-    cuDNN (the exact graph is then tried: a rejection of the folded form is no reason to fall back)."""
-    if not folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                          dropout_p=dropout_p, rng_dump=rng_dump):
-        return None
-    wanted = _fold_wanted(q.shape[2], k.shape[2])
+def _try_fold(foldable: bool, s_q: int, s_kv: int, bind):
+    """A folded binding (``folded``) made by ``bind(build)``, or None: not foldable, not wanted, or
+    refused by cuDNN (the exact graph is then tried: a rejection of the folded form is no reason to
+    fall back)."""
+    wanted = _fold_wanted(s_q, s_kv) if foldable else False
     if wanted is False:
         return None
     try:
-        return folded.bind_forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right,
-                                   compute_lse=compute_lse, padded=seq_len_q is not None, build=bool(wanted))
+        return bind(bool(wanted))
     except NotSupportedError:
         return None
+
+
+def _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window, bottom_right,
+                  compute_lse):
+    foldable = folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                              dropout_p=dropout_p, rng_dump=rng_dump)
+    return _try_fold(foldable, q.shape[2], k.shape[2], lambda build: folded.bind_forward(
+        q, k, v, scale=scale, window=window, bottom_right=bottom_right, compute_lse=compute_lse,
+        padded=seq_len_q is not None, build=build))
 
 
 def _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, dropout_p, scale, window, bottom_right,
                    deterministic):
-    """As ``_fold_forward``, for the backward (grad_out and out must fold too)."""
-    if not (folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                           dropout_p=dropout_p)
-            and layout.usable(out) and layout.usable(grad_out)):
-        return None
-    wanted = _fold_wanted(q.shape[2], k.shape[2])
-    if wanted is False:
-        return None
-    try:
-        return folded.bind_backward(grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right,
-                                    deterministic=deterministic, padded=seq_len_q is not None, build=bool(wanted))
-    except NotSupportedError:
-        return None
+    """As ``_fold_forward``; grad_out and out must be usable in place too."""
+    foldable = (folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                               dropout_p=dropout_p) and layout.usable(out) and layout.usable(grad_out))
+    return _try_fold(foldable, q.shape[2], k.shape[2], lambda build: folded.bind_backward(
+        grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right, deterministic=deterministic,
+        padded=seq_len_q is not None, build=build))
 
 
 def _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p, compute_lse,

@@ -51,7 +51,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def seqlen_bucket(n: int) -> int:
-    """The declared S for a length: the next power of two (one graph per doubling of S)."""
+    """The declared S for a length: the next power of two, so one graph serves every length up to it
+    (one graph per doubling of S; the packed graphs bucket max_seqlen the same way)."""
     n = max(int(n), 1)
     return 1 << (n - 1).bit_length()
 

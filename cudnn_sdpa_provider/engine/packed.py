@@ -27,16 +27,10 @@ from ..core import layout, rows
 from . import machine
 from .binding import Binding, tensor_key
 from .dense import alignment
+from .folded import seqlen_bucket  # one bucket rule for the packed and the folded dense graphs
 from .graphs import UID, BwdKey, Desc, FwdKey
 
 __all__ = ["forward", "backward", "seqlen_bucket", "token_bucket", "max_total", "padded_lse_pays"]
-
-
-def seqlen_bucket(n: int) -> int:
-    """Round a max sequence length up to a power of two: the descriptor's S is only a bound for
-    ragged operands, so bucketing lets one graph serve many batches (PyTorch's MHA does the same)."""
-    n = max(int(n), 1)
-    return 1 << (n - 1).bit_length()
 
 
 def token_bucket(n: int) -> int:
