@@ -27,8 +27,9 @@ import warnings
 import torch
 
 from ..core import arguments, layout, markers, rows, scope, support
+from ..core.reasons import Slug
 from ..engine import dense
-from ..ops import route
+from ..ops import composite, route
 from ..engine.binding import tensor_key
 from ..ops.route import describe_call
 from .varlen_hooks import VARLEN_ARGUMENTS, Varlen as _Varlen, bind as _bind, scale_of as _scale
@@ -50,6 +51,56 @@ def _unused_philox(device: torch.device) -> tuple:
     "reduce-overhead")``, which cudagraph trees reject as an untracked allocation). Fresh blocks are
     16-byte aligned, as inductor asserts of outputs."""
     return (torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device))
+
+
+#: A configuration the known-issues table keeps off cuDNN is kept off PyTorch's own cuDNN kernels too:
+#: they run on the same cuDNN (GPU run 51: PyTorch's cuDNN backward segfaults at the
+#: NVIDIA/cudnn-frontend#1071 shape on cuDNN 9.28.1, as the bare graph does). Such a call runs on the
+#: aten composite (fp32) instead.
+_KNOWN = Slug.CUDNN_KNOWN_ISSUE.value
+
+
+def _additive(bias):
+    """The composite adds its bias: a boolean mask (True = attend) becomes 0 / -inf."""
+    if bias is None or bias.dtype != torch.bool:
+        return bias
+    return torch.zeros(bias.shape, dtype=torch.float32, device=bias.device).masked_fill(~bias, float("-inf"))
+
+
+def _composite_forward(query, key, value, attn_bias, compute_lse, dropout_p, window, scale):
+    """The cuDNN op's nine outputs from the aten composite; a dropout mask of the composite's own,
+    drawn from the philox pair it returns, which its backward (``_composite_backward``) re-draws."""
+    philox = rows.new_philox(query.device, 2) if dropout_p > 0.0 else None
+    out, lse = composite.dense_fwd(query, key, value, None, _additive(attn_bias), None, None, _scale(scale, query),
+                                   window, False, philox=philox, dropout_p=float(dropout_p))
+    if compute_lse:
+        _mark(lse, markers.Record(served=False, reason=_KNOWN))
+    else:
+        lse = lse.new_empty((0,))
+    seed, offset = _unused_philox(query.device) if philox is None else (philox[0], philox[1])
+    return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, None
+
+
+def _composite_backward(grad_out, query, key, value, attn_bias, philox_seed, philox_offset, dropout_p, window, scale):
+    philox = torch.stack([philox_seed.reshape(()), philox_offset.reshape(())]) if dropout_p > 0.0 else None
+    dq, dk, dv, _ = composite.dense_bwd(grad_out, query, key, value, None, _additive(attn_bias), None, None,
+                                        _scale(scale, query), window, False, philox=philox, dropout_p=float(dropout_p))
+    return dq, dk, dv
+
+
+def _dropout_guard(signature, query, key, value, window, attn_bias, dropout_p):
+    """A forward with dropout whose backward is known-bad on this cuDNN runs on the composite too
+    (``cudnn_known_issue``): the composite backward can redraw the composite's dropout mask, not
+    cuDNN's. None when the backward has no such row."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    entry = route.entry(("sdpa_bwd_of", deterministic) + signature, lambda: route.dense_problem(
+        query, key, value, backward=True, window=window, bias=attn_bias, dropout_p=dropout_p,
+        deterministic=deterministic), query.device.index)
+    reason = entry.first
+    if reason is None or reason.slug != _KNOWN:
+        return None
+    return route.fixed(_KNOWN, f"{reason.message}; with dropout, its forward runs where the backward can redraw "
+                               "the mask")
 
 
 def _traced(t) -> bool:
@@ -85,6 +136,8 @@ class _Dense:
         found = route.entry(signature, lambda: route.dense_problem(
             query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p, recompute=recompute,
             unsupported=("return_debug_mask",) if return_debug_mask else ()), query.device.index)
+        if dropout_p > 0.0 and compute_log_sumexp and found.first is None:
+            found = _dropout_guard(signature, query, key, value, window, attn_bias, dropout_p) or found
         strict = scope.strict()
 
         def serve():
@@ -101,6 +154,8 @@ class _Dense:
             return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, None
 
         def native(reason):  # operands PyTorch's cuDNN kernel would misread are copied first
+            if reason.slug == _KNOWN:
+                return _composite_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p, window, scale)
             q, k, v = (layout.for_native(t) for t in (query, key, value))
             result = self.fwd_original.call_boxed(keyset, q, k, v, attn_bias, compute_log_sumexp, dropout_p,
                                                   is_causal, return_debug_mask, scale=scale)
@@ -114,7 +169,15 @@ class _Dense:
 
     def backward(self, keyset, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
                  cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+        window = _WINDOWS[bool(is_causal)]
+
         def native(reason=None, fix=True):  # as the forward's fallback; ``fix=False``: as given
+            if reason is not None and reason.slug == _KNOWN:
+                if dropout_p > 0.0 and record.served:  # cuDNN drew the forward's mask: no composite redraws it
+                    raise RuntimeError(f"cudnn-sdpa-provider: dense_bwd cannot run: {reason.message}, and the "
+                                       "forward's dropout mask was drawn by cuDNN, which only cuDNN can reproduce")
+                return _composite_backward(grad_out, query, key, value, attn_bias, philox_seed, philox_offset,
+                                           dropout_p, window, scale)
             ops = (grad_out, query, key, value, out)
             do, q, k, v, o = (layout.for_native(t) for t in ops) if fix else ops
             return self.bwd_original.call_boxed(keyset, do, q, k, v, o, logsumexp, philox_seed, philox_offset,
@@ -129,7 +192,6 @@ class _Dense:
         if not record.served:
             return route.call("dense_bwd", route.fixed(record.reason, "its forward fell back"), None, native, describe,
                               strict=False)
-        window = _WINDOWS[bool(is_causal)]
         deterministic = torch.are_deterministic_algorithms_enabled()
         signature = ("sdpa_bwd", query.device.index, tensor_key(grad_out), tensor_key(query), tensor_key(key),
                      tensor_key(value), tensor_key(out), tensor_key(logsumexp), tensor_key(attn_bias), dropout_p,

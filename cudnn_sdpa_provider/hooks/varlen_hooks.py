@@ -20,14 +20,18 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from ..core import markers, scope
+from ..core.reasons import Slug
 from ..engine import packed, paged
-from ..ops import paged_ops, route
+from ..ops import composite, paged_ops, route
 from ..engine.binding import tensor_key
 from ..ops.route import describe_call
 
 __all__ = ["VARLEN_ARGUMENTS", "FLASH_BACKEND", "CUDNN_BACKEND", "Varlen", "bind", "scale_of", "unknown_arguments",
            "sent_elsewhere", "odd_paged_arguments", "varlen_ops", "inplace_op"]
 
+#: Kept off PyTorch's cuDNN kernels as well as ours (they run on the same cuDNN): a packed call with a
+#: known-issue row runs on the aten composite (overrides says why).
+_KNOWN = Slug.CUDNN_KNOWN_ISSUE.value
 _tls = threading.local()  # .native_out: inside our own _varlen_attn_out fallback (its kernel is counted already)
 
 
@@ -170,6 +174,19 @@ class Varlen:
                                   window=window, bottom_right=bottom_right)
         return out, lse.t().contiguous()  # torch_attn's convention is (H, T)
 
+    def _composite(self, a, bottom_right: bool = True):
+        """(out, lse (H, T)) of a packed call from the aten composite (no paged cache)."""
+        q, k, v, cu_q = a["query"], a["key"], a["value"], a["cu_seq_q"]
+        cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
+        window, scale = self._options(a)
+        out, lse = composite.varlen_fwd(q, k, v, cu_q, cu_k, a["max_q"], a["max_k"], None, scale_of(scale, q), window,
+                                        bottom_right)
+        return out, lse.t().contiguous()
+
+    @staticmethod
+    def _known(reason, a) -> bool:
+        return reason is not None and reason.slug == _KNOWN and a.get("block_table") is None
+
     def forward(self, keyset, *args, **kwargs):
         a = bind(self.fwd_op, args, kwargs)
         strict = scope.strict()
@@ -181,7 +198,11 @@ class Varlen:
             return out, lse, rng_state
 
         def native(reason):
-            result = self.fwd_original.call_boxed(keyset, *args, **kwargs)
+            if self._known(reason, a):
+                out, lse = self._composite(a)
+                result = out, lse, torch.zeros(2, dtype=torch.uint64, device=out.device)
+            else:
+                result = self.fwd_original.call_boxed(keyset, *args, **kwargs)
             markers.mark(result[2], markers.Record(served=False, reason=reason.slug))
             return result
 
@@ -197,6 +218,10 @@ class Varlen:
             return lse
 
         def native(reason):
+            if self._known(reason, a):
+                out, lse = self._composite(a)
+                a["out"].copy_(out)
+                return lse
             with _native_out():  # torch 2.15's cuDNN branch calls ``inplace``: this call is counted here
                 return self.out_original.call_boxed(keyset, *args, **kwargs)
 
@@ -220,13 +245,29 @@ class Varlen:
             a["out"].copy_(out)
             return lse
 
-        return route.call("varlen_fwd", self._entry(self.inplace_op, a, False, bottom_right), serve,
-                          lambda reason: self.inplace_original.call_boxed(keyset, *args, **kwargs),
+        def native(reason):
+            if self._known(reason, a):
+                out, lse = self._composite(a, bottom_right)
+                a["out"].copy_(out)
+                return lse
+            return self.inplace_original.call_boxed(keyset, *args, **kwargs)
+
+        return route.call("varlen_fwd", self._entry(self.inplace_op, a, False, bottom_right), serve, native,
                           lambda: describe_call(query=a["query"], out=a["out"]))
 
     def backward(self, keyset, *args, **kwargs):
         a = bind(self.bwd_op, args, kwargs)
-        native = lambda reason=None: self.bwd_original.call_boxed(keyset, *args, **kwargs)  # noqa: E731
+
+        def native(reason=None):
+            if self._known(reason, a):
+                cu_q = a["cu_seq_q"]
+                cu_k = a["cu_seq_k"] if a.get("cu_seq_k") is not None else cu_q
+                window, scale = self._options(a)
+                q = a["query"]
+                return composite.varlen_bwd(a["grad_out"], q, a["key"], a["value"], cu_q, cu_k, a["max_q"],
+                                            a["max_k"], None, scale_of(scale, q), window, True)[:3]
+            return self.bwd_original.call_boxed(keyset, *args, **kwargs)
+
         record = markers.lookup(a["rng_state"])
         if record is None:
             return native()

@@ -347,7 +347,8 @@ def _known_issues_section() -> list[str]:
              i.where, i.summary) for i in support.KNOWN_ISSUES]
     return ["## Known-bad cuDNN configurations", "",
             "`support.KNOWN_ISSUES`: configurations a cuDNN release is publicly known to crash on or compute wrong. "
-            "A call they cover falls back with `cudnn_known_issue` (rule above), and so does a call whose graph "
+            "A call they cover falls back with `cudnn_known_issue` (rule above) to the aten composite, not to "
+            "PyTorch's cuDNN kernel, which runs on the same cuDNN; and so does a call whose graph "
             "they cover: `graphs.plan` checks each graph key's own dims before cuDNN sees it (a bucketed packed "
             "graph is built for a longer S than its call's). Where an issue's reach is unclear a row covers more "
             "than its reproducer. `cudnn-sdpa doctor` lists the rows that apply to its machine.", ""] + _table(
