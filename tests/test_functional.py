@@ -506,6 +506,23 @@ def test_eager_backward_is_once_differentiable():
         dq.sum().backward()
 
 
+def test_compiled_dynamic_fullgraph_takes_the_number_checks():
+    # torch.compile(dynamic=True) can trace the float arguments as SymFloats; the argument checks
+    # (arguments.real) must not break the graph on them (GPU run 51 on torch 2.11 found
+    # math.isfinite doing so)
+    torch._dynamo.reset()
+
+    def f(q, k, v, sinks):
+        return csp.attention(q, k, v, window=(31, 0), sinks=sinks).float().square().mean()
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="eager")
+    sinks = torch.zeros(4, requires_grad=True)
+    for b in (2, 3):
+        q = torch.randn(b, 4, 16, 8).requires_grad_()
+        compiled(q, q, q, sinks).backward()
+        assert torch.isfinite(q.grad).all()
+
+
 def test_compiled_call_sees_the_custom_op():
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -72,7 +72,9 @@ def real(name: str, value, *, valid: str, ok=lambda x: True) -> float:
     if _is_bool(value) or isinstance(value, torch.Tensor) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {valid}, got {type(value).__name__} {value!r}")
     number = float(value)
-    if not math.isfinite(number) or not ok(number):
+    # a comparison, not math.isfinite: under torch.compile(dynamic=True) a float can be traced as a
+    # SymFloat, which math.isfinite cannot take (a graph break that fails fullgraph=True)
+    if not abs(number) < math.inf or not ok(number):
         raise ValueError(f"{name} must be {valid}, got {value!r}")
     return number
 
