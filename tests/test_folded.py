@@ -290,3 +290,73 @@ def test_builds_are_counted_in_the_report_the_meta_and_the_doctor(fake, monkeypa
     rows = {(r.section, r.label): r.value for r in doctor.doctor_rows(run_self_test=False)}
     assert rows[("graphs", "built")].startswith(f"{after.builds['built']} cuDNN graphs")
     assert "shape buckets: off" in rows[("graphs", "cache")]
+
+
+def test_a_recurring_prefill_shape_gives_way_to_its_exact_graph(fake, monkeypatch):
+    """A fixed non-power-of-two shape (a training loop) is folded first, and takes its exact graph on
+    its PROMOTE_AFTER-th call, forward and backward: one build each more, then right answers on the
+    exact graphs."""
+    monkeypatch.setattr(dense, "PROMOTE_AFTER", 3)
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = _operands("contiguous", 2, 4, 2, 13, 13, 8, gen)
+    go = torch.randn(2, 4, 13, 8, generator=gen)
+    for _ in range(2):
+        _check(q, k, v, go, window=(-1, 0))
+    assert [g.key.ragged for g in fake] == [True, True], "folded so far"
+    for _ in range(3):
+        _check(q, k, v, go, window=(-1, 0))
+    keys = [g.key for g in fake]
+    assert [key.ragged for key in keys] == [True, True, False, False], keys
+    assert {type(key) for key in keys[2:]} == {FwdKey, BwdKey} and keys[2].q.dims[2] == 13
+
+
+def test_decode_and_the_forced_mode_never_leave_the_fold(fake, monkeypatch):
+    monkeypatch.setattr(dense, "PROMOTE_AFTER", 2)
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = _operands("contiguous", 2, 8, 2, 1, 21, 8, gen)
+    for _ in range(5):  # decode: the fold costs microseconds a call
+        dense.forward(q, k, v, scale=0.3, compute_lse=False)
+    monkeypatch.setenv(env.SHAPE_BUCKETS, "1")
+    q, k, v = _operands("contiguous", 2, 4, 2, 13, 13, 8, gen)
+    for _ in range(5):  # forced on: always the bucketed graph
+        dense.forward(q, k, v, scale=0.3)
+    assert all(g.key.ragged for g in fake), [g.key for g in fake]
+
+
+def test_a_refused_exact_graph_keeps_the_fold(fake, monkeypatch):
+    monkeypatch.setattr(dense, "PROMOTE_AFTER", 2)
+    from cudnn_sdpa_provider.core.errors import NotSupportedError
+
+    def refuse():
+        raise NotSupportedError("graph_not_supported", "the exact graph was refused")
+
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = _operands("contiguous", 1, 2, 2, 11, 11, 8, gen)
+    monkeypatch.setattr(dense, "_bind_forward", lambda *a: refuse())
+    for _ in range(4):
+        out, _ = dense.forward(q, k, v, scale=0.3)
+    want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, compute_dtype=torch.float64)
+    assert_rel_close(out, want, TOL, "out")
+    assert [g.key.ragged for g in fake] == [True]
+
+
+def test_a_binding_used_on_another_stream_waits_for_its_uploads(monkeypatch):
+    """A folded binding's offsets and lengths are uploaded on the stream that made it: a call on
+    another stream queues a wait on the binding's event (no host sync); the same stream does not."""
+    waits = []
+
+    class _Stream:
+        def wait_event(self, event):
+            waits.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    found = folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": (111, "event")})
+    monkeypatch.setattr(folded, "_stream", lambda device: 111)
+    folded._order(found, torch.device("cuda", 0))
+    assert waits == []
+    monkeypatch.setattr(folded, "_stream", lambda device: 222)
+    folded._order(found, torch.device("cuda", 0))
+    assert waits == ["event"]
+    folded._order(folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": None}),
+                  torch.device("cpu"))
+    assert waits == ["event"]

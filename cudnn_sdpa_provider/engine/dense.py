@@ -138,6 +138,9 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
         found = bd.store(signature, found or _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window,
                                                            bottom_right, dropout_p, compute_lse, rng_dump))
     if found.extra.get("fold"):
+        found = _promoted(signature, found, q.shape[2], lambda: _bind_forward(
+            q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p, compute_lse, rng_dump))
+    if found.extra.get("fold"):
         return _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_len_q, seq_len_kv)
     if found.fix:
         q, k, v = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
@@ -171,6 +174,36 @@ def _fold_wanted(s_q: int, s_kv: int) -> bool | None:
     if mode == "off":
         return False
     return True if mode == "on" or not (_pow2(s_q) and _pow2(s_kv)) else None
+
+
+#: Calls of one exact shape after which a folded binding with S_q > 1 gives way to the exact graph.
+#: A folded prefill or training call pays for the fold (ragged kernels, token-major copies of GQA
+#: query-side operands): GPU run 51 measured causal prefill at S 700-731 (B 1, H 32/8, D 128) at
+#: 0.092 ms forward and 1.00 ms forward+backward against native's exact 0.039 / 0.377 ms. A shape
+#: that keeps coming back (a fixed-shape training or serving loop) is worth its exact graph (one
+#: build, about 40 ms); one that does not (dynamic padding: a new longest length per batch) never
+#: gets there. 256 calls is 16 steps of a 16-layer model; by then the fold has cost about as much as
+#: the build (rent, then buy). Decode (S_q == 1) stays folded: its fold costs microseconds a call.
+PROMOTE_AFTER = 256
+
+
+def _promoted(signature, found: Binding, s_q: int, bind_exact) -> Binding:
+    """``found`` (a folded binding), or, on its ``PROMOTE_AFTER``-th call with S_q > 1 in the default
+    mode, the exact graph's binding, stored for the signature in its place. Never while a CUDA graph
+    is being captured (no build there: the next eager call promotes); a refused exact graph keeps
+    the fold for good."""
+    extra = found.extra
+    if s_q == 1 or extra.get("kept"):
+        return found
+    calls = extra["calls"] = extra.get("calls", 0) + 1
+    if calls < PROMOTE_AFTER or folded.mode() != "auto" or folded.capturing():
+        return found
+    try:
+        exact = bind_exact()
+    except NotSupportedError:
+        extra["kept"] = True
+        return found
+    return bd.store(signature, exact)
 
 
 def _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_len_q, seq_len_kv):
@@ -260,6 +293,10 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         found = bd.store(signature, found or _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q,
                                                             philox, scale, window, bottom_right, dropout_p,
                                                             deterministic))
+    if found.extra.get("fold"):
+        found = _promoted(signature, found, q.shape[2], lambda: _bind_backward(
+            grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p,
+            deterministic))
     if found.extra.get("fold"):
         safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
         dq, dk, dv = folded.run_backward(found, grad_out, q, k, v, out, lse,

@@ -45,7 +45,7 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
+__all__ = ["seqlen_bucket", "mode", "capturing", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -112,6 +112,11 @@ def applies(q, k, v, *, bias=None, sinks=None, seq_len_q=None, seq_len_kv=None, 
     return max(_end(q, k.shape[1], groups), _end(k, k.shape[1], 1), _end(v, v.shape[1], 1)) <= _INT32_MAX
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a CUDA graph (no build may run)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 #: Device types other than CUDA that the fold runs on: the CPU tier's fake cuDNN adds "cpu".
 _FAKE_DEVICES: set = set()
 
@@ -151,19 +156,51 @@ def _offsets(t: torch.Tensor, h_kv: int, groups: int) -> torch.Tensor:
     (the last entry, B * stride_b, is the end). One kernel when the folds are evenly spaced."""
     sb, sg = _fold_strides(t, h_kv, groups)
     n = t.shape[0] * h_kv
-    return _cached(("off", t.device, n, h_kv, sb, sg), lambda: _make_offsets(t.device, n, h_kv, sb, sg))
+    return _cached(("off", t.device, _stream(t.device), n, h_kv, sb, sg),
+                   lambda: _make_offsets(t.device, n, h_kv, sb, sg))
 
 
 def _make_offsets(device, n: int, h_kv: int, sb: int, sg: int) -> torch.Tensor:
-    step = sb if h_kv == 1 else sg if sb == h_kv * sg else None
-    if step:
-        return torch.arange(0, (n + 1) * step, step, dtype=torch.int32, device=device).view(-1, 1, 1, 1)
-    i = torch.arange(n + 1, dtype=torch.int64, device=device)
-    return ((i // h_kv) * sb + (i % h_kv) * sg).to(torch.int32).view(-1, 1, 1, 1)
+    return _upload([(i // h_kv) * sb + (i % h_kv) * sg for i in range(n + 1)], device)
 
 
 def _lengths(n: int, s: int, device) -> torch.Tensor:
-    return _cached(("len", device, n, s), lambda: torch.full((n, 1, 1, 1), s, dtype=torch.int32, device=device))
+    return _cached(("len", device, _stream(device), n, s), lambda: _upload([s] * n, device))
+
+
+def _stream(device) -> int:
+    """The raw current stream of ``device`` (0 off CUDA)."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+
+
+def _made(device):
+    """(stream, event) marking where a new binding's device tensors were uploaded (``_order``); None
+    off CUDA. Every tensor a binding holds was uploaded on its stream: the value cache is kept per
+    stream, so a hit is stream-ordered before the event too."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return _stream(device), event
+
+
+def _order(found: Binding, device) -> None:
+    """A binding used on a stream other than the one that made it: that stream waits for the uploads
+    of its offsets and lengths (an event wait, queued on the device; no host sync)."""
+    made = found.extra.get("made")
+    if made is not None and made[0] != _stream(device):
+        torch.cuda.current_stream(device).wait_event(made[1])
+
+
+def _upload(values: list, device) -> torch.Tensor:
+    """(len(values), 1, 1, 1) int32 on ``device``: written on the host into pinned memory (torch's
+    caching host allocator, which keeps the block until the copy is done) and copied in stream
+    order. One copy, no kernel: GPU run 51's profile of new lengths had torch.full and
+    torch.arange among its largest items (about 0.1 ms each)."""
+    host = torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 #: How many of the folds' small device tensors (lengths, offsets) each thread keeps, by value.
@@ -257,7 +294,8 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
-                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)},
+                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device),
+                          "made": _made(q.device)},
                    fix=copy_q)
 
 
@@ -277,6 +315,7 @@ def run_forward(found: Binding, q, k, v, compute_lse: bool, lengths=None):
     ex = found.extra
     groups = ex["groups"]
     _keep_if_captured(found, q)
+    _order(found, q.device)
     qr = _token_major(q).copy_(q) if found.fix else q
     (size, stride), = found.outputs
     out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
@@ -335,7 +374,8 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b, "h_kv": h_kv,
                           "padded": padded,
-                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)},
+                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device),
+                          "made": _made(q.device)},
                    fix=any(c for _, c in reads))
 
 
@@ -343,6 +383,7 @@ def run_backward(found: Binding, grad_out, q, k, v, out, lse, lengths=None):
     """(dq, dk, dv) of a folded backward through its binding (``lengths`` as for ``run_forward``)."""
     ex = found.extra
     _keep_if_captured(found, q)
+    _order(found, q.device)
     copy_q, copy_o, copy_do = found.repair
     qr = _token_major(q).copy_(q) if copy_q else q
     outr = _token_major(out).copy_(out) if copy_o else out
