@@ -360,3 +360,36 @@ def test_a_binding_used_on_another_stream_waits_for_its_uploads(monkeypatch):
     folded._order(folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": None}),
                   torch.device("cpu"))
     assert waits == ["event"]
+
+
+def test_a_deterministic_backward_keeps_its_exact_graph(fake):
+    """Its workspace (sm_90, cuDNN < 9.25) grows with S_q x S_kv and is bounded on the call's dims."""
+    gen = torch.Generator().manual_seed(24)
+    q, k, v = _operands("contiguous", 1, 2, 2, 11, 11, 8, gen)
+    out, lse = dense.forward(q, k, v, scale=0.3)
+    dense.backward(torch.randn_like(out), q, k, v, out, lse, scale=0.3, deterministic=True)
+    keys = [g.key for g in fake]
+    assert [(type(key).__name__, key.ragged) for key in keys] == [("FwdKey", True), ("BwdKey", False)], keys
+
+
+@pytest.mark.parametrize("cc,version,folds", [((9, 0), 91900, True), ((9, 0), 92801, True), ((9, 0), 92900, False),
+                                              ((10, 0), 92600, False), ((8, 0), 91900, False)])
+def test_the_default_mode_folds_only_where_the_gpu_sweeps_passed(monkeypatch, cc, version, folds):
+    monkeypatch.delenv(env.SHAPE_BUCKETS, raising=False)
+    monkeypatch.setattr(graphs, "_device_facts", lambda device: (version, cc))
+    assert folded.verified(torch.device("cuda", 0)) is folds
+    assert (dense._fold_wanted(5, 13, torch.device("cuda", 0)) is not False) is folds
+    monkeypatch.setenv(env.SHAPE_BUCKETS, "1")
+    assert dense._fold_wanted(5, 13, torch.device("cuda", 0)) is True, "forced on: folds anywhere"
+
+
+@pytest.mark.parametrize("cc,version,says", [((9, 0), 91900, "folding on"), ((10, 0), 92600, "folding off here")])
+def test_the_doctor_says_whether_the_default_mode_folds_here(monkeypatch, cc, version, says):
+    from cudnn_sdpa_provider.engine import machine
+    from cudnn_sdpa_provider.tools import doctor
+
+    monkeypatch.delenv(env.SHAPE_BUCKETS, raising=False)
+    caps = fake_cudnn.with_caps(compute_capability=cc, cudnn_version=version)
+    monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
+    rows = {(r.section, r.label): r.value for r in doctor.doctor_rows(run_self_test=False)}
+    assert says in rows[("graphs", "cache")], rows[("graphs", "cache")]

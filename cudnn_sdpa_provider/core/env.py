@@ -20,8 +20,10 @@ Variable                                              Meaning
                                                       sequence length reuses the graph of its
                                                       power-of-two length bucket (lengths that are
                                                       powers of two keep their exact graph unless
-                                                      the bucket's is built); ``1`` always the
-                                                      bucket's; ``0`` an exact graph per length.
+                                                      the bucket's is built; only where the GPU
+                                                      sweeps passed, ``folded.VERIFIED``); ``1``
+                                                      always the bucket's; ``0`` an exact graph
+                                                      per length.
 ====================================================  ==========================================
 """
 

@@ -164,14 +164,15 @@ def _pow2(n: int) -> bool:
     return n & (n - 1) == 0
 
 
-def _fold_wanted(s_q: int, s_kv: int) -> bool | None:
+def _fold_wanted(s_q: int, s_kv: int, device) -> bool | None:
     """Whether a foldable call takes the length-bucketed graphs: True (build them if needed), None
     (only if already built), False (never). Lengths that are powers of two are bucket boundaries,
     where the exact graph has no padded tiles: those take the exact graph unless the bucket's graph
     is already built (so a growing decode builds one graph per doubling, and a fixed power-of-two
-    shape keeps today's exact graph)."""
+    shape keeps today's exact graph). In the default mode only where the folded graphs were verified
+    on the GPU (``folded.verified``)."""
     mode = folded.mode()
-    if mode == "off":
+    if mode == "off" or mode == "auto" and not folded.verified(device):
         return False
     return True if mode == "on" or not (_pow2(s_q) and _pow2(s_kv)) else None
 
@@ -215,11 +216,11 @@ def _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_l
     return out, lse
 
 
-def _try_fold(foldable: bool, s_q: int, s_kv: int, bind):
+def _try_fold(foldable: bool, s_q: int, s_kv: int, device, bind):
     """A folded binding (``folded``) made by ``bind(build)``, or None: not foldable, not wanted, or
     refused by cuDNN (the exact graph is then tried: a rejection of the folded form is no reason to
     fall back)."""
-    wanted = _fold_wanted(s_q, s_kv) if foldable else False
+    wanted = _fold_wanted(s_q, s_kv, device) if foldable else False
     if wanted is False:
         return None
     try:
@@ -232,17 +233,20 @@ def _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_du
                   compute_lse):
     foldable = folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
                               dropout_p=dropout_p, rng_dump=rng_dump)
-    return _try_fold(foldable, q.shape[2], k.shape[2], lambda build: folded.bind_forward(
+    return _try_fold(foldable, q.shape[2], k.shape[2], q.device, lambda build: folded.bind_forward(
         q, k, v, scale=scale, window=window, bottom_right=bottom_right, compute_lse=compute_lse,
         padded=seq_len_q is not None, build=build))
 
 
 def _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, dropout_p, scale, window, bottom_right,
                    deterministic):
-    """As ``_fold_forward``; grad_out and out must be usable in place too."""
-    foldable = (folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                               dropout_p=dropout_p) and layout.usable(out) and layout.usable(grad_out))
-    return _try_fold(foldable, q.shape[2], k.shape[2], lambda build: folded.bind_backward(
+    """As ``_fold_forward``; grad_out and out must be usable in place too. A deterministic backward
+    is not folded: on sm_90 before cuDNN 9.25 its workspace grows with B x H x S_q x S_kv, which the
+    ``deterministic_workspace`` rule bounds on the call's dims, and a bucket's can be 4x those."""
+    foldable = (not deterministic and folded.applies(q, k, v, bias=bias, sinks=sinks, seq_len_q=seq_len_q,
+                                                     seq_len_kv=seq_len_kv, dropout_p=dropout_p)
+                and layout.usable(out) and layout.usable(grad_out))
+    return _try_fold(foldable, q.shape[2], k.shape[2], q.device, lambda build: folded.bind_backward(
         grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right, deterministic=deterministic,
         padded=seq_len_q is not None, build=build))
 

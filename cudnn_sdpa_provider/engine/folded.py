@@ -45,7 +45,7 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "capturing", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
+__all__ = ["seqlen_bucket", "mode", "VERIFIED", "verified", "verified_on", "capturing", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -110,6 +110,28 @@ def applies(q, k, v, *, bias=None, sinks=None, seq_len_q=None, seq_len_kv=None, 
         return False
     groups = q.shape[1] // k.shape[1]
     return max(_end(q, k.shape[1], groups), _end(k, k.shape[1], 1), _end(v, v.shape[1], 1)) <= _INT32_MAX
+
+
+#: (compute capability, lowest cuDNN, highest cuDNN) where the folded graphs passed the GPU sweeps
+#: (tests/gpu/test_shapes.py: every length against fp32 with NaN canaries past it): H200 with cuDNN
+#: 9.19 (runs 48-51) and 9.28.1 (run 52), the releases between them taken as the range. Elsewhere the default mode keeps exact graphs (a read past
+#: the real length would be a silent wrong answer); ``CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS=1`` folds
+#: anyway.
+VERIFIED = (((9, 0), 91900, 92801),)
+
+
+def verified(device) -> bool:
+    """Whether ``device``'s GPU and cuDNN are among ``VERIFIED`` (the fake cuDNN's devices count)."""
+    if device.type != "cuda":
+        return device.type in _FAKE_DEVICES
+    version, cc = bd.graphs.device_facts(device.index)
+    return verified_on(cc, version)
+
+
+def verified_on(compute_capability, cudnn_version) -> bool:
+    """Whether a GPU of this compute capability with this cuDNN is among ``VERIFIED``."""
+    return any(tuple(compute_capability or ()) == arch and low <= (cudnn_version or 0) <= high
+               for arch, low, high in VERIFIED)
 
 
 def capturing() -> bool:

@@ -41,7 +41,7 @@ except Exception as exc:  # pragma: no cover - exercised on machines without the
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
-__all__ = ["Desc", "FwdKey", "BwdKey", "Fp8Key", "Plan", "UID", "backend_info", "plan", "cached", "execute", "cache_info",
+__all__ = ["Desc", "FwdKey", "BwdKey", "Fp8Key", "Plan", "UID", "backend_info", "device_facts", "plan", "cached", "execute", "cache_info",
            "clear_cache", "describe", "writes"]
 
 
@@ -193,6 +193,11 @@ def plan(key) -> Plan:
     if isinstance(built, tuple):
         raise NotSupportedError(*built)
     return built
+
+
+def device_facts(device: int) -> tuple:
+    """(cuDNN backend version, compute capability) of ``device``."""
+    return _device_facts(device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -112,14 +112,27 @@ def _self_test(caps, run_self_test: bool) -> list:
         return [Row("self-test", "run", False, f"{type(exc).__name__}: {exc}")]
 
 
-def _graph_rows() -> list:
+def _buckets(caps) -> str:
+    """The shape-bucket mode, and in the default mode whether it folds on this machine."""
+    from ..core import env
+    from ..engine import folded
+
+    mode = env.shape_buckets()
+    if mode != "auto":
+        return f"{mode} ({env.SHAPE_BUCKETS})"
+    if caps.cuda and folded.verified_on(caps.compute_capability, caps.cudnn_version):
+        return f"auto ({env.SHAPE_BUCKETS}; folding on: verified on this GPU and cuDNN)"
+    return f"auto ({env.SHAPE_BUCKETS}; folding off here: not verified on this GPU and cuDNN, =1 forces it)"
+
+
+def _graph_rows(caps) -> list:
     """The graph cache's settings and this process's builds (the self-test's, in a fresh process)."""
     from ..core import counters, env
     from ..diagnostics import DoctorRow as Row
 
     b = counters.stats().builds
     return [Row("graphs", "cache", None, f"{env.cache_size()} graphs per thread (LRU), shape buckets: "
-                                           f"{env.shape_buckets()} ({env.SHAPE_BUCKETS})"),
+                                           f"{_buckets(caps)}"),
             Row("graphs", "built", None, f"{b['built']} cuDNN graphs in this process ({b['build_ms']:.0f} ms), "
                                            f"{b['rejected']} rejected by cuDNN")]
 
@@ -135,5 +148,5 @@ def doctor_rows(run_self_test: bool = True) -> list:
     rows += known_issue_rows(caps)
     rows += _coexistence()
     rows += _self_test(caps, run_self_test)
-    rows += _graph_rows()
+    rows += _graph_rows(caps)
     return rows
