@@ -431,7 +431,7 @@ def test_run_refuses_without_cuda(monkeypatch):
 def test_bench_help_lists_the_options(capsys):
     assert cli.main(["bench", "--help"]) == cli.EXIT_OK
     out = capsys.readouterr().out
-    for option in ("--quick", "--shapes", "--modes", "--repeats", "--warmup", "--json", "--plot", "--list"):
+    for option in ("--quick", "--shapes", "--cases", "--modes", "--repeats", "--warmup", "--json", "--plot", "--list"):
         assert option in out
     assert f"Exit status {cli.EXIT_NO_CUDA} when CUDA is not available" in " ".join(out.split())
 

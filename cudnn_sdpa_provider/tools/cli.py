@@ -121,14 +121,19 @@ def _bench_parser(sub) -> None:
                "(the table and --json are written all the same).")
     bench.add_argument("--quick", action="store_true",
                        help="smoke preset: 3 cases, 5 repeats, 2 warm-up calls, 50 host-cost calls")
-    bench.add_argument("--shapes", metavar="NAMES", help="comma-separated case names (default: all; see --list)")
+    bench.add_argument("--shapes", "--cases", metavar="NAMES",
+                       help="comma-separated case names (default: the whole matrix; see --list); the changing-shape "
+                            "cases new_length, hf_generate, hf_dynamic_padding run only when named, each path in a "
+                            "fresh process")
     bench.add_argument("--modes", metavar="MODES", default="fwd,fwd_bwd",
                        help="comma-separated, from fwd,fwd_bwd (default: both)")
     bench.add_argument("--repeats", type=int, metavar="N", help="timed calls per case, mode and path (default 30)")
     bench.add_argument("--warmup", type=int, metavar="N", help="untimed calls before timing (default 5)")
     bench.add_argument("--json", metavar="FILE", help="also write the rows and meta (versions, GPU, date) as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also plot TFLOP/s against sequence length, a panel per mode "
-                                                      "(needs matplotlib: pip install cudnn-sdpa-provider[plot])")
+                                                      "(needs matplotlib: pip install cudnn-sdpa-provider[plot]); "
+                                                      "changing-shape cases: a figure of their own, FILE when no "
+                                                      "matrix case ran, else beside it (x.png: x.shapes.png)")
     bench.add_argument("--list", action="store_true", help="list the cases and exit")
 
 
@@ -300,16 +305,18 @@ def _progress(stream=None):
 
 
 def _bench_options(args, bench):
-    """(cases, modes, preset) from the options; ValueError for bad ones."""
+    """(cases, modes, preset, shape cases) from the options; ValueError for bad ones."""
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    shape_cases = []
     if args.shapes:
-        cases = bench.select(split(args.shapes))
+        names, shape_cases = bench.shapes.split_names(split(args.shapes), [c.name for c in bench.MATRIX])
+        cases = bench.select(names) if names else []
     else:
         cases = bench.quick_matrix() if args.quick else bench.select()
     preset = bench.QUICK if args.quick else bench.DEFAULT
     settings = bench.check_settings(preset.repeats if args.repeats is None else args.repeats,
                                     preset.warmup if args.warmup is None else args.warmup, preset.host_calls)
-    return cases, bench.check_modes(split(args.modes)), settings
+    return cases, bench.check_modes(split(args.modes)), settings, shape_cases
 
 
 def _plot_problem(path: str | None, bench) -> str | None:
@@ -325,11 +332,11 @@ def _cmd_bench(args, peers: dict | None = None) -> int:
     from . import bench
 
     if args.list:
-        for case in bench.MATRIX:
+        for case in (*bench.MATRIX, *bench.SHAPE_CASES):
             print(f"{case.name:<36} {case.describe()}")
         return EXIT_OK
     try:
-        cases, modes, settings = _bench_options(args, bench)
+        cases, modes, settings, shape_cases = _bench_options(args, bench)
     except ValueError as exc:
         print(f"cudnn-sdpa bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -342,27 +349,41 @@ def _cmd_bench(args, peers: dict | None = None) -> int:
         print("cudnn-sdpa bench: CUDA is not available; the benchmark times GPU kernels, so run it on a machine "
               "with an NVIDIA GPU", file=sys.stderr)
         return EXIT_NO_CUDA
-    try:
+    try:  # the shape cases first: their processes get the GPU before this one holds memory
+        shape_rows = bench.run_shapes(shape_cases, progress=_progress()) if shape_cases else []
         rows = bench.run(cases, modes=modes, repeats=settings.repeats, warmup=settings.warmup,
-                         host_calls=settings.host_calls, progress=_progress(), peers=peers)
+                         host_calls=settings.host_calls, progress=_progress(), peers=peers) if cases else []
     except bench.BenchError as exc:
         print(f"cudnn-sdpa bench: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    print(bench.format_table(rows))
+    print("\n\n".join(([bench.format_table(rows)] if rows else []) +
+                      ([bench.format_shape_table(shape_rows)] if shape_rows else [])))
     if args.json:
         meta = bench.collect_meta(quick=args.quick, modes=list(modes), cases=[c.name for c in cases],
-                                  **{k: getattr(settings, k) for k in ("repeats", "warmup", "host_calls")})
+                                  **{k: getattr(settings, k) for k in ("repeats", "warmup", "host_calls")},
+                                  **({"shape_cases": bench.shape_meta(shape_cases)} if shape_cases else {}))
         with open(args.json, "w") as fh:
-            fh.write(bench.to_json(rows, meta))
+            fh.write(bench.to_json(rows, meta, **({"shape_rows": shape_rows} if shape_cases else {})))
     if args.plot and not no_plot:
-        try:
-            bench.plot(rows, args.plot)
-        except ValueError as exc:
-            no_plot = f"--plot {args.plot} not written: {exc}"
+        no_plot = _write_plots(bench, rows, shape_rows, args.plot)
     if no_plot:
         print(f"cudnn-sdpa bench: {no_plot}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def _write_plots(bench, rows, shape_rows, path: str) -> str | None:
+    """The matrix's figure at ``path``, the shape cases' own figure (``bench.shape_plot_path``);
+    what could not be written, or None."""
+    problems = []
+    for draw, these, where in ((bench.plot, rows, path),
+                               (bench.plot_shapes, shape_rows, bench.shape_plot_path(path, bool(rows)))):
+        if these:
+            try:
+                draw(these, where)
+            except ValueError as exc:
+                problems.append(f"--plot {where} not written: {exc}")
+    return "; ".join(problems) or None
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

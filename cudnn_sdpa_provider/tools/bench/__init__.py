@@ -10,6 +10,11 @@ ABBA order so clock drift does not favour a path. One module per job:
   measure  timing (CUDA events, peak memory, host cost), the ABBA order, ``run``
   report   ``Row``, ratios against the baseline, the table, the JSON file, the plot
 
+The changing-shape cases (new_length, hf_generate, hf_dynamic_padding) run each (case, path) in a
+fresh process instead, so that graph builds count: ``shapes`` (the cases, selection, ratios),
+``shape_runner`` (the processes), ``shape_child`` (what one process measures), ``shape_report``
+(their table and figure). Their rows are plain dicts; ``run_shapes`` returns them.
+
 A path PyTorch cannot run at a case (efficient with GQA, ...) is ``skipped`` with PyTorch's
 reason; a case the environment cannot run (the Hugging Face Llama step without transformers) has
 every path ``skipped`` with what to install. ``cases`` lists the paths of each kind, ``report``
@@ -22,10 +27,15 @@ from .cases import BASELINE, BWD_FACTOR, DEFAULT, DENSE_PATHS, HF_PATHS, MATRIX,
 from .inputs import padding_mask as _padding_mask  # noqa: F401 - tests/gpu/test_features.py uses this name
 from .measure import BenchError, run
 from .paths import GRAPH_WARMUP_STEPS
+from . import shapes
 from .report import Measurement, Row, add_ratios, collect_meta, format_table, plot, require_matplotlib, summarize, to_json
+from .shape_report import format_shape_table, plot_shapes, shape_meta, shape_plot_path
+from .shape_runner import run_shapes
+from .shapes import SHAPE_CASES
 
 __all__ = ["Case", "Row", "Measurement", "Preset", "BenchError", "MATRIX", "MODES", "DEFAULT", "QUICK", "select",
            "quick_matrix", "check_modes", "check_settings", "fwd_flops", "flops", "summarize", "add_ratios", "run",
-           "collect_meta", "to_json", "format_table", "plot", "require_matplotlib"]
+           "collect_meta", "to_json", "format_table", "plot", "require_matplotlib", "SHAPE_CASES", "run_shapes",
+           "format_shape_table", "plot_shapes"]
 # Also importable here as before: DENSE_PATHS, VARLEN_PATHS, PADDED_PATHS, STEP_PATHS, HF_PATHS, BASELINE,
-# QUICK_CASES, BWD_FACTOR, GRAPH_WARMUP_STEPS, expected_calls.
+# QUICK_CASES, BWD_FACTOR, GRAPH_WARMUP_STEPS, expected_calls; shapes, shape_meta, shape_plot_path.

@@ -174,8 +174,10 @@ def collect_meta(argv: list[str] | None = None, **settings) -> dict:
     }
 
 
-def to_json(rows: list[Row], meta: dict) -> str:
-    return json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=2) + "\n"
+def to_json(rows: list[Row], meta: dict, **more_rows: list[dict]) -> str:
+    """``{"meta": ..., "rows": [...]}``, and any further lists of row dicts under their own keys
+    (``shape_rows``: the changing-shape cases, ``shape_report``)."""
+    return json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows], **more_rows}, indent=2) + "\n"
 
 
 # ---------------------------------------------------------------------------------- table
