@@ -11,6 +11,9 @@ tests/gpu/test_shapes.py's job.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -236,23 +239,84 @@ def test_a_new_length_reuses_the_small_tensors_it_can(fake):
     assert len(folded._tls.small) - before == 2, "one offsets tensor (K and V share strides), one length"
 
 
-def test_a_captured_binding_keeps_its_device_tensors_for_good(fake, monkeypatch):
-    """A CUDA graph captured with a folded binding reads its offsets and lengths at every replay: once
-    a call runs under capture, those tensors are kept even after the binding and the value cache
-    are cleared (here on the fake's CPU tensors, the capture check forced on)."""
+def _capture_calls(monkeypatch, fn):
+    """``fn()`` as if the current stream were capturing a CUDA graph (the capture check of
+    ``binding.run`` forced on for the fake's CPU tensors); the bindings it kept."""
+    from cudnn_sdpa_provider.engine import binding
+
+    binding._captured.clear()
+    with monkeypatch.context() as m:
+        m.setattr(binding, "_capturing", lambda device: True)
+        fn()
+    return binding.captured()
+
+
+@pytest.mark.parametrize("s_kv", [19, 16])  # a folded binding; a power of two: the exact graph
+def test_a_captured_binding_keeps_its_plan_and_device_tensors_for_good(fake, monkeypatch, s_kv):
+    """A CUDA graph captured with a binding launches its plan's kernels and reads its device tensors
+    (a folded binding's offsets, lengths, dead-row mask) at every replay, by address: once a call
+    runs under capture, the binding, its plan included, outlives the caches that held it (an LRU
+    eviction, ``clear_cache``, the value cache)."""
     gen = torch.Generator().manual_seed(15)
-    q, k, v = _operands("contiguous", 1, 4, 2, 1, 19, 8, gen)
+    q, k, v = _operands("contiguous", 1, 4, 2, 1, s_kv, 8, gen)
     dense.forward(q, k, v, scale=0.3, compute_lse=False)  # the warm-up makes the binding
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    folded._captured.clear()
-    dense.forward(q, k, v, scale=0.3, compute_lse=False)  # "captured": the same binding, kept
-    monkeypatch.undo()
-    kept = list(folded._captured.values())
-    assert len(kept) == 1 and all(isinstance(t, torch.Tensor) for t in kept[0]["tensors"])
+    kept = _capture_calls(monkeypatch, lambda: dense.forward(q, k, v, scale=0.3, compute_lse=False))
+    assert len(kept) == 1 and kept[0].extra.get("fold", False) == (s_kv == 19)
+    if s_kv == 19:
+        assert all(isinstance(t, torch.Tensor) for t in kept[0].extra["tensors"])
+    plan, tensors = weakref.ref(kept[0].plan), [weakref.ref(t) for t in kept[0].extra.get("tensors", ())]
+    del kept
     graphs.clear_cache()
     folded._tls.small = folded.OrderedDict()
-    assert list(folded._captured.values()) == kept, "clearing the caches frees nothing a capture reads"
+    for g in fake:  # the fake's record of its calls holds their buffers too
+        g.calls.clear()
+    gc.collect()
+    assert plan() is not None, "the captured plan was freed with the cache: replays would run freed kernels"
+    assert all(t() is not None for t in tensors), "clearing the caches frees nothing a capture reads"
+
+
+def test_a_captured_folded_binding_survives_its_promotion_and_eviction(fake, monkeypatch):
+    """The folded binding a capture used is replaced by its exact graph on a later eager call
+    (``dense.PROMOTE_AFTER``) and its plan is then evicted from a full LRU cache: the capture still
+    holds it."""
+    monkeypatch.setattr(dense, "PROMOTE_AFTER", 3)
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = _operands("contiguous", 1, 4, 2, 13, 13, 8, gen)
+    dense.forward(q, k, v, scale=0.3)
+    kept = _capture_calls(monkeypatch, lambda: dense.forward(q, k, v, scale=0.3))
+    assert len(kept) == 1 and kept[0].extra["fold"]
+    plan = weakref.ref(kept[0].plan)
+    del kept
+    dense.forward(q, k, v, scale=0.3)  # the third call: promoted to the exact graph
+    assert [g.key.ragged for g in fake] == [True, False]
+    graphs.set_capacity(1)  # the exact graph's plan evicts the folded one
+    try:
+        gc.collect()
+        assert graphs.cache_info()["size"] == 1 and plan() is not None
+    finally:
+        graphs.set_capacity(env.cache_size())
+
+
+def test_a_capture_queues_no_wait_on_an_event_recorded_outside_it(monkeypatch):
+    """A folded binding made on one stream and used on another while that one captures a CUDA graph
+    (torch.cuda.graph captures on a side stream of its own): waiting there on the upload event,
+    recorded before the capture, would end the capture (cudaErrorStreamCaptureIsolation), and is not
+    needed (torch.cuda.graph synchronises the device first). Outside a capture the wait stays."""
+    waits = []
+
+    class _Stream:
+        def wait_event(self, event):
+            waits.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(folded, "_stream", lambda device: 222)  # not the binding's stream, 111
+    found = folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": (111, "event")})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    folded._order(found, torch.device("cuda", 0))
+    assert waits == [], "a wait on an event recorded outside the capture was queued inside it"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    folded._order(found, torch.device("cuda", 0))
+    assert waits == ["event"]
 
 
 def test_no_folded_binding_is_made_during_a_capture(monkeypatch):
@@ -350,6 +414,7 @@ def test_a_binding_used_on_another_stream_waits_for_its_uploads(monkeypatch):
             waits.append(event)
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     found = folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": (111, "event")})
     monkeypatch.setattr(folded, "_stream", lambda device: 111)
     folded._order(found, torch.device("cuda", 0))

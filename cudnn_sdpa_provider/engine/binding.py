@@ -11,7 +11,9 @@ operand that does not fit its graph can never be launched, because any differenc
 alignment or dtype is a different signature with a binding of its own.
 
 Bindings live in ``graphs``' per-thread LRU cache beside the built graphs (cuDNN plans are per
-thread), bounded like it.
+thread), bounded like it. A binding executed while a CUDA graph is being captured is also kept for
+good (``run``): the captured graph replays its plan's kernels and reads its device tensors by
+address, whatever later evicts them from the caches.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from . import graphs
 from ..core import layout
 from .graphs import Desc
 
-__all__ = ["tensor_key", "Binding", "lookup", "store", "small_operand", "desc", "run", "outputs", "copy_back"]
+__all__ = ["tensor_key", "Binding", "lookup", "store", "small_operand", "desc", "run", "captured", "outputs",
+           "copy_back"]
 
 
 def tensor_key(t):
@@ -81,9 +84,32 @@ def desc(t: torch.Tensor) -> Desc:
     return Desc(dims, tuple(strides), t.dtype)
 
 
+_captured: dict = {}  # id -> every binding a CUDA graph captured, kept for good (``run``)
+
+
+def _capturing(device) -> bool:
+    """Whether the current stream is capturing a CUDA graph (``device`` None: the CPU tier's fake)."""
+    return device is not None and torch.cuda.is_current_stream_capturing()
+
+
 def run(binding: Binding, buffers: tuple, device: int) -> None:
-    """Execute the binding's plan on ``buffers`` (in ``binding.uids`` order) on the current stream."""
+    """Execute the binding's plan on ``buffers`` (in ``binding.uids`` order) on the current stream.
+
+    Under a CUDA-graph capture the binding is kept for good (``captured``): every replay launches
+    the kernels of its plan (a cuDNN execution plan owns its kernels and whatever it loaded to run
+    them, freed with it) and reads the device tensors in its ``extra`` (the folded graphs' offsets,
+    lengths and dead-row mask) by address. Without this, the plan's LRU cache evicting it (256
+    other graphs built later, a ``clear_cache``, a folded binding replaced by its exact graph) would
+    leave the captured graph launching freed kernels. A handful of objects per captured
+    configuration; a capture of the same binding again adds nothing."""
+    if _capturing(device):
+        _captured[id(binding)] = binding
     graphs.execute(binding.plan, binding.uids, buffers, device, torch._C._cuda_getCurrentRawStream(device))
+
+
+def captured() -> list:
+    """The bindings kept because a CUDA graph captured them (``run``)."""
+    return list(_captured.values())
 
 
 def outputs(binding: Binding, dtypes: tuple, device, fill: torch.Tensor | None = None) -> tuple[list, list]:

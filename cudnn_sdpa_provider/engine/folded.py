@@ -30,7 +30,9 @@ logit per query head, which a fold cannot index), dropout (its random stream is 
 graph's batch and head), lengths that are not int32, the dropout mask dump, operands that are not
 16-byte aligned or whose offsets would overflow int32, and calls made while a CUDA graph is being
 captured (the offsets this module computes on the device must exist before a capture; see
-``applies``).
+``applies``). A folded binding made before a capture (by the warm-up) serves the calls captured:
+they queue no wait on its upload event (``_order``), and ``binding.run`` keeps the binding, its
+plan and its device tensors, for as long as the process lives (a replay reads them by address).
 """
 
 from __future__ import annotations
@@ -208,9 +210,18 @@ def _made(device):
 
 def _order(found: Binding, device) -> None:
     """A binding used on a stream other than the one that made it: that stream waits for the uploads
-    of its offsets and lengths (an event wait, queued on the device; no host sync)."""
+    of its offsets and lengths (an event wait, queued on the device; no host sync).
+
+    Not while the stream is capturing a CUDA graph: the event was recorded outside the capture, and
+    waiting on it there is refused (cudaErrorStreamCaptureIsolation) or invalidates the capture. No
+    wait is needed there: a folded binding is never made during a capture (``applies``), and
+    ``torch.cuda.graph`` (and ``make_graphed_callables``, which uses it) synchronises the device
+    before it begins capturing (torch/cuda/graphs.py, ``graph.__enter__``), so the uploads are done.
+    A bare ``CUDAGraph.capture_begin`` must follow the same rule: synchronise after the warm-up, or
+    warm up on the capturing stream (then no wait is needed). The capture check runs only when the
+    streams differ, so a call on the binding's own stream pays nothing for it."""
     made = found.extra.get("made")
-    if made is not None and made[0] != _stream(device):
+    if made is not None and made[0] != _stream(device) and not torch.cuda.is_current_stream_capturing():
         torch.cuda.current_stream(device).wait_event(made[1])
 
 
@@ -245,18 +256,6 @@ def _cached(key: tuple, make) -> torch.Tensor:
     else:
         cache.move_to_end(key)
     return found
-
-
-_captured: dict = {}  # id -> the device tensors of every binding a CUDA graph captured, kept for good
-
-
-def _keep_if_captured(found: Binding, q: torch.Tensor) -> None:
-    """A CUDA graph captured with a folded binding reads the binding's device tensors (offsets,
-    lengths) at every replay, by address: keep them alive for good, whatever later evicts the binding
-    or the value cache (a handful of small tensors per captured configuration). A folded binding is
-    never made during a capture (``applies``); one made before it, by the warm-up, is used as is."""
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        _captured[id(found.extra)] = found.extra  # offsets, lengths and the dead-row mask
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:
@@ -336,7 +335,6 @@ def run_forward(found: Binding, q, k, v, compute_lse: bool, lengths=None):
     (seq_len_q, seq_len_kv)): then the caller fixes the rows past them."""
     ex = found.extra
     groups = ex["groups"]
-    _keep_if_captured(found, q)
     _order(found, q.device)
     qr = _token_major(q).copy_(q) if found.fix else q
     (size, stride), = found.outputs
@@ -404,7 +402,6 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
 def run_backward(found: Binding, grad_out, q, k, v, out, lse, lengths=None):
     """(dq, dk, dv) of a folded backward through its binding (``lengths`` as for ``run_forward``)."""
     ex = found.extra
-    _keep_if_captured(found, q)
     _order(found, q.device)
     copy_q, copy_o, copy_do = found.repair
     qr = _token_major(q).copy_(q) if copy_q else q
