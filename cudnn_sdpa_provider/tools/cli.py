@@ -121,7 +121,8 @@ def _bench_parser(sub) -> None:
                "(the table and --json are written all the same).")
     bench.add_argument("--quick", action="store_true",
                        help="smoke preset: 3 cases, 5 repeats, 2 warm-up calls, 50 host-cost calls")
-    bench.add_argument("--shapes", metavar="NAMES", help="comma-separated case names (default: all; see --list)")
+    bench.add_argument("--shapes", metavar="NAMES", help="comma-separated case names or group names (fp8: FP8 end to "
+                                                        "end from bf16; default: the main matrix; see --list)")
     bench.add_argument("--modes", metavar="MODES", default="fwd,fwd_bwd",
                        help="comma-separated, from fwd,fwd_bwd (default: both)")
     bench.add_argument("--repeats", type=int, metavar="N", help="timed calls per case, mode and path (default 30)")
@@ -325,8 +326,8 @@ def _cmd_bench(args, peers: dict | None = None) -> int:
     from . import bench
 
     if args.list:
-        for case in bench.MATRIX:
-            print(f"{case.name:<36} {case.describe()}")
+        for name, description in bench.listing():
+            print(f"{name:<36} {description}")
         return EXIT_OK
     try:
         cases, modes, settings = _bench_options(args, bench)
