@@ -22,8 +22,9 @@ then the error of each output against fp32 attention on the dequantised FP8 oper
 (max |got - ref| / max |ref| over the real tokens; the stats' largest absolute error), whether
 that is within the dense FP8 path's bounds (``BOUNDS``: tests/test_fp8.py's FWD_REF_TOL and
 BWD_REF_TOL) and whether the rows past the last sequence kept their NaN canary (packed layouts:
-nothing written outside the sequences). ``--json`` writes the same with the versions. The package
-serves no call here; its ``csp.fp8.quantize`` makes the FP8 operands.
+nothing written outside the sequences). The backward reads the forward's O, canary rows included,
+so one that reads past the last sequence comes out NaN (error inf). ``--json`` writes the same
+with the versions. The package serves no call here; its ``csp.fp8.quantize`` makes the FP8 operands.
 """
 
 from __future__ import annotations
@@ -426,6 +427,9 @@ def forward_pass(cudnn, handle, p: Problem, ops: Operands) -> tuple[dict, dict |
         tail = _tail_untouched(p, [o_buf] + ([stats_buf] if stats_buf is not None and p.cfg.stats == "ragged" else []))
     except Exception as exc:  # noqa: BLE001 - recorded: the next configuration still runs
         return pass_result("failed", f"{type(exc).__name__}: {exc}".strip()), None
+    if not p.cfg.packed:  # as csp.fp8 hands a padded O to its backward: 0 past each length
+        past = torch.arange(p.s, device=p.device).view(1, 1, -1, 1) >= lens.view(-1, 1, 1, 1)
+        o_buf.view(torch.uint8).masked_fill_(past, 0)
     state = {"o_buf": o_buf, "stats_buf": stats_buf, "scale_o": scale_o, "got_o": got_o, "ref": ref}
     return pass_result("ran", errors=errors, within_bounds=within, tail_untouched=tail), state
 

@@ -342,3 +342,20 @@ def test_without_cuda_it_exits_4_and_a_child_that_dies_is_recorded_as_crashed(pr
     r = probe.run_isolated(probe.BY_NAME["packed_causal"], _args(probe))  # its child exits without a summary
     assert r["forward"] == {"status": "crashed", "message": "fp8_varlen_probe: needs a CUDA GPU"}
     assert r["backward"]["status"] == "skipped" and r["name"] == "packed_causal" and r["tokens"] == 126
+
+
+def test_the_padded_controls_backward_gets_an_o_zeroed_past_each_length(probe, monkeypatch):
+    """As csp.fp8 zeroes a padded O's rows past the lengths before its backward; the packed O keeps
+    its NaN canary past the last sequence (a backward reading there would come out NaN)."""
+    cudnn = _fake_cudnn(monkeypatch)
+    args = _args(probe)
+    for name in ("padded_control", "packed_causal"):
+        p = probe.problem(probe.BY_NAME[name], args, "cpu")
+        result, state = probe.forward_pass(cudnn, None, p, probe.make_operands(p, 0))
+        assert result["status"] == "ran"
+        raw = state["o_buf"].view(torch.uint8)
+        if name == "padded_control":
+            for b, n in enumerate(p.lens):
+                assert not raw[b, :, n:].any() and (raw[b, :, :n] != probe.NAN_BYTE).all(), (b, n)
+        else:
+            assert (raw[p.t:] == probe.NAN_BYTE).all() and (raw[: p.t] != probe.NAN_BYTE).all()
