@@ -25,11 +25,11 @@ def by_name(name: str) -> Case:
 
 
 def test_matrix_names_unique_and_well_formed():
-    names = [c.name for c in bench.MATRIX]
-    assert len(names) == len(set(names))
+    names = [c.name for c in bench.KNOWN]  # the default matrix and the groups (tests/test_bench_fp8.py)
+    assert len(names) == len(set(names)) and not set(names) & set(bench.GROUPS)
     paths = {"dense": bench.DENSE_PATHS, "varlen": bench.VARLEN_PATHS, "padded": bench.PADDED_PATHS,
-             "step": bench.STEP_PATHS, "hf_llama": bench.HF_PATHS}
-    for c in bench.MATRIX:
+             "step": bench.STEP_PATHS, "hf_llama": bench.HF_PATHS, "fp8": bench.FP8_PATHS}
+    for c in bench.KNOWN:
         assert c.h_q % c.h_kv == 0
         assert c.paths == paths[c.kind]
         assert set(bench.BASELINE[c.kind]) <= set(c.paths) and "provider" in c.paths
@@ -351,7 +351,8 @@ def test_collect_meta_on_cpu():
     meta = bench.collect_meta(["cudnn-sdpa", "bench", "--quick"], repeats=5)
     assert meta["command"] == "cudnn-sdpa bench --quick"
     assert meta["settings"] == {"repeats": 5} and meta["torch"] == torch.__version__
-    assert set(meta["cases"]) == {c.name for c in bench.MATRIX}
+    assert set(meta["cases"]) == {c.name for c in bench.KNOWN} > {c.name for c in bench.MATRIX}  # groups too
+    assert meta["cases"]["fp8_b4_h32kv8_s8192_d128_causal"]["h_kv"] == 8
     assert meta["cases"]["varlen_n16_h16_d128_causal"]["seq_lens"] == bench.cases.varlen_lengths()
     json.dumps(meta)
 
@@ -519,7 +520,7 @@ def test_bench_cli_writes_the_plot(monkeypatch, tmp_path):
 def test_bench_list_works_without_cuda(capsys):
     assert cli.main(["bench", "--list"]) == cli.EXIT_OK
     out = capsys.readouterr().out
-    assert all(c.name in out for c in bench.MATRIX)
+    assert all(c.name in out for c in bench.KNOWN) and all(f"\n{g} " in out for g in bench.GROUPS)
 
 
 def test_progress_line():

@@ -122,9 +122,9 @@ def _bench_parser(sub) -> None:
     bench.add_argument("--quick", action="store_true",
                        help="smoke preset: 3 cases, 5 repeats, 2 warm-up calls, 50 host-cost calls")
     bench.add_argument("--shapes", "--cases", metavar="NAMES",
-                       help="comma-separated case names (default: the whole matrix; see --list); the changing-shape "
-                            "cases new_length, hf_generate, hf_dynamic_padding run only when named, each path in a "
-                            "fresh process")
+                       help="comma-separated case names or group names (default: the main matrix; see --list); "
+                            "fp8: FP8 end to end from bf16; the changing-shape cases new_length, hf_generate, "
+                            "hf_dynamic_padding run only when named, each path in a fresh process")
     bench.add_argument("--modes", metavar="MODES", default="fwd,fwd_bwd",
                        help="comma-separated, from fwd,fwd_bwd (default: both)")
     bench.add_argument("--repeats", type=int, metavar="N", help="timed calls per case, mode and path (default 30)")
@@ -309,7 +309,8 @@ def _bench_options(args, bench):
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     shape_cases = []
     if args.shapes:
-        names, shape_cases = bench.shapes.split_names(split(args.shapes), [c.name for c in bench.MATRIX])
+        known = [*bench.GROUPS, *(c.name for c in bench.KNOWN)]  # the matrix, the groups and their cases
+        names, shape_cases = bench.shapes.split_names(split(args.shapes), known)
         cases = bench.select(names) if names else []
     else:
         cases = bench.quick_matrix() if args.quick else bench.select()
@@ -332,8 +333,8 @@ def _cmd_bench(args, peers: dict | None = None) -> int:
     from . import bench
 
     if args.list:
-        for case in (*bench.MATRIX, *bench.SHAPE_CASES):
-            print(f"{case.name:<36} {case.describe()}")
+        for name, description in (*bench.listing(), *((c.name, c.describe()) for c in bench.SHAPE_CASES)):
+            print(f"{name:<36} {description}")
         return EXIT_OK
     try:
         cases, modes, settings, shape_cases = _bench_options(args, bench)

@@ -72,3 +72,27 @@ def test_hf_llama_tiny_step_every_provider_call_served():
         assert r.fallbacks == 0 and r.fallback_reasons == {}, r
         assert r.served == r.expected == r.calls * case.layers * 2 > 0, r  # each layer: a forward and a backward
     assert by["native"].vs_native == 1.0 and by["native"].served is None
+
+
+def test_fp8_case_small_every_path_timed_and_every_fp8_call_served():
+    """One small fp8 case, causal, and a GQA batch without the mask: the four paths timed in both
+    modes on refilled inputs, every provider and FP8 call served, the ratios side by side."""
+    from cudnn_sdpa_provider.tools.bench import fp8_case
+
+    small = bench.Case("fp8_small_causal", "fp8", 1, 8, 8, 1024, 128, True)
+    gqa = bench.Case("fp8_small_gqa", "fp8", 2, 8, 2, 1024, 128, False)
+    rows = bench.run([small, gqa], repeats=3, warmup=1)
+    assert [(r.case, r.mode, r.path) for r in rows] == [(c.name, m, p) for c in (small, gqa) for m in bench.MODES
+                                                          for p in bench.FP8_PATHS]
+    for r in rows:
+        assert r.status == "ok", (r.case, r.mode, r.path, r.reason)  # the reason first
+        assert r.median_ms > 0 and r.p20_ms <= r.median_ms <= r.p80_ms and r.tflops > 0 and r.vs_native > 0, r
+        assert r.input_sets >= fp8_case.MIN_SETS and r.repeats == 3, r
+        if r.path == "native":
+            assert r.vs_native == 1.0 and r.served is None, r
+        else:  # provider: dense_fwd/bwd; fp8_*: fp8_fwd/bwd, a forward (and a backward) per call
+            assert r.fallbacks == 0 and r.served == r.expected == r.calls * (2 if r.mode == "fwd_bwd" else 1) > 0, r
+    entries = fp8_case.ratio_entries(rows)
+    assert len(entries) == 4 and all(e["native_ms"] > 0 for e in entries)
+    assert all(e["paths"][p]["vs_native"] > 0 for e in entries for p in ("provider", "fp8_delayed", "fp8_current"))
+    assert "FP8 end to end from bf16 activations" in bench.format_table(rows)

@@ -23,10 +23,20 @@ Paths by kind:
            provider       the same model inside ``enable()`` (transformers' boolean mask: the cuDNN bias path)
            provider_hf    ``integrations.transformers.register()``, then ``attn_implementation="cudnn"``
                           (right padding reaches cuDNN as per-sequence lengths), provider not enabled
+  fp8      (FP8 attention end to end from bf16 activations, issue #30; ``fp8_case`` runs it)
+           native         F.sdpa, provider off, PyTorch choosing the backend (the baseline)
+           provider       F.sdpa inside ``enable()`` (bf16 on cuDNN)
+           fp8_delayed    ``csp.fp8.attention`` with ``Recipe(scaling="delayed")``
+           fp8_current    ``csp.fp8.attention`` with ``Recipe(scaling="current")``
 
 Modes: ``fwd`` (inference: inputs do not require grad, so no logsumexp is computed) and ``fwd_bwd``
 (forward, then ``torch.autograd.grad`` with a random grad_out; nothing accumulates into ``.grad``).
 Training steps (``step``, ``hf_llama``) have ``fwd_bwd`` only.
+
+Groups: cases outside the default matrix, run by naming the group (``select(["fp8"])``,
+``cudnn-sdpa bench --shapes fp8``) or the case. ``fp8`` is ten FP8 end-to-end cases (``FP8_MATRIX``);
+it is not in the default run, which stays the provider against the native paths (the group is 80
+rows of long sequences, and its FP8 paths need Hopper or newer).
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 __all__ = ["Case", "Preset", "MATRIX", "MODES", "DEFAULT", "QUICK", "QUICK_CASES", "BASELINE", "select",
-           "quick_matrix", "check_modes", "check_settings", "fwd_flops", "flops", "expected_calls", "llama_config"]
+           "quick_matrix", "check_modes", "check_settings", "fwd_flops", "flops", "expected_calls", "llama_config",
+           "FP8_MATRIX", "GROUPS", "KNOWN", "audited", "listing"]
 
 MODES = ("fwd", "fwd_bwd")
 DENSE_PATHS = ("provider", "native_cudnn", "flash", "efficient")
@@ -44,11 +55,16 @@ VARLEN_PATHS = ("provider", "native_varlen")
 PADDED_PATHS = ("provider", "provider_bias", "native_cudnn", "native", "efficient")
 STEP_PATHS = ("provider", "provider_graphed", "native")
 HF_PATHS = ("provider", "provider_hf", "native")
+FP8_PATHS = ("native", "provider", "fp8_delayed", "fp8_current")
 PATHS = {"dense": DENSE_PATHS, "varlen": VARLEN_PATHS, "padded": PADDED_PATHS, "step": STEP_PATHS,
-         "hf_llama": HF_PATHS}
+         "hf_llama": HF_PATHS, "fp8": FP8_PATHS}
 #: Each kind's baselines for ``vs_native``, in order of preference (the first one that ran).
 BASELINE = {"dense": ("native_cudnn",), "varlen": ("native_varlen",), "padded": ("native_cudnn", "native"),
-            "step": ("native",), "hf_llama": ("native",)}
+            "step": ("native",), "hf_llama": ("native",), "fp8": ("native",)}
+#: Paths whose calls the counters must show served: the provider's (``provider*``) and the FP8 ones
+#: (``fp8_*``, counted as ``fp8_fwd`` / ``fp8_bwd``). An exception on one of them is an error, never
+#: a skip: only PyTorch's own paths may decline a shape.
+AUDITED_PREFIXES = ("provider", "fp8_")
 #: Kinds whose unit is a whole training step: fwd_bwd only, no attention flop count.
 STEP_KINDS = ("step", "hf_llama")
 #: Peer paths (``run(peers=...)``) are added to these kinds only (the others pass masks or models).
@@ -110,6 +126,8 @@ class Case:
             shape = f"B={self.batch} S={self.seq} {self._padding()}"
         elif self.kind == "step":
             shape = f"training step of demo.TinyGQA ({self.layers} layers), B={self.batch} S={self.seq}"
+        elif self.kind == "fp8":
+            shape = f"FP8 end to end from bf16 activations, B={self.batch} S={self.seq}"
         elif self.kind == "hf_llama":
             cfg = llama_config(self)
             shape = (f"training step of HF LlamaForCausalLM ({self.layers} layers, hidden {cfg['hidden_size']}, "
@@ -182,21 +200,63 @@ MATRIX: tuple[Case, ...] = (
 QUICK_CASES = ("b16_h16_s1024_d64_causal", "varlen_n16_h16_d128_causal", "tiny_b1_h2_s128_d64_causal")
 
 
+def _fp8(b: int, h: int, kv: int, s: int, causal: bool) -> Case:
+    heads = f"h{h}" + (f"kv{kv}" if kv != h else "")
+    return Case(f"fp8_b{b}_{heads}_s{s}_d128" + ("_causal" if causal else ""), "fp8", b, h, kv, s, 128, causal)
+
+
+#: The ``fp8`` group (issue #30): (1, 32, S, 128) at S = 4k, 8k, 16k, and the GQA batch shape
+#: (4, 32/8, S, 128) at S = 4k and 8k, where the issue's targets change (>= 1.0x at 4k, >= 1.3x
+#: forward and >= 1.15x forward+backward from 8k); each causal and not. GQA at 16k is left out: it
+#: is four times the work of the B=1 16k case, the costliest of the group, at a length that case covers.
+FP8_MATRIX: tuple[Case, ...] = (
+    *(_fp8(1, 32, 32, s, c) for s in (4096, 8192, 16384) for c in (False, True)),
+    *(_fp8(4, 32, 8, s, c) for s in (4096, 8192) for c in (False, True)),
+)
+#: Case groups outside the default matrix, selected by name.
+GROUPS: dict[str, tuple[Case, ...]] = {"fp8": FP8_MATRIX}
+#: Every case ``select`` knows: the default matrix, then each group's.
+KNOWN: tuple[Case, ...] = MATRIX + tuple(c for cases in GROUPS.values() for c in cases)
+
+
+def audited(path: str) -> bool:
+    """Whether ``path``'s calls are counted and must all be served (``AUDITED_PREFIXES``)."""
+    return path.startswith(AUDITED_PREFIXES)
+
+
+def listing() -> list[tuple[str, str]]:
+    """(name, description) for ``--list``: the default matrix, then each group (a line naming it,
+    then its cases)."""
+    out = [(c.name, c.describe()) for c in MATRIX]
+    for group, cases in GROUPS.items():
+        out.append((group, f"group of {len(cases)} cases, not in the default run: --shapes {group}"))
+        out += [(c.name, f"{c.describe()} [{group}]") for c in cases]
+    return out
+
+
 def select(names: Iterable | None = None) -> list[Case]:
-    """Cases by name (``Case`` objects pass through); ``None`` is the whole matrix."""
+    """Cases by name or group name (a group stands for its cases, in order; ``Case`` objects pass
+    through); ``None`` is the default matrix. A case named twice (itself and in its group) runs once."""
     if names is None:
         return list(MATRIX)
     if isinstance(names, (str, Case)):
         names = [names]
-    by_name = {c.name: c for c in MATRIX}
+    by_name = {c.name: c for c in KNOWN}
     out = []
     for n in names:
-        if not isinstance(n, Case) and n not in by_name:
-            raise ValueError(f"unknown bench case {n!r}. Available cases: {list(by_name)}")
-        out.append(n if isinstance(n, Case) else by_name[n])
+        if isinstance(n, Case):
+            out.append(n)
+        elif n in GROUPS:
+            out += GROUPS[n]
+        elif n in by_name:
+            out.append(by_name[n])
+        else:
+            raise ValueError(f"unknown bench case {n!r}. Available cases: {list(by_name)}. Available groups: "
+                             f"{list(GROUPS)}")
     if not out:
-        raise ValueError(f"no bench case selected. Available cases: {list(by_name)}")
-    return out
+        raise ValueError(f"no bench case selected. Available cases: {list(by_name)}. Available groups: "
+                         f"{list(GROUPS)}")
+    return list(dict.fromkeys(out))
 
 
 def quick_matrix() -> list[Case]:
@@ -219,11 +279,13 @@ def check_settings(repeats: int, warmup: int, host_calls: int) -> Preset:
 
 
 def check_peers(peers: dict | None) -> dict:
-    """A copy of ``run(peers=...)``; ValueError for a name that is a built-in path or ``provider*``."""
+    """A copy of ``run(peers=...)``; ValueError for a name that is a built-in path, ``provider*`` or
+    ``fp8_*`` (``audited``: a peer's calls are not the provider's)."""
     peers = dict(peers or {})
     for name in peers:
-        if not isinstance(name, str) or name.startswith("provider") or any(name in p for p in PATHS.values()):
-            raise ValueError(f"peer path name {name!r} must be a new name (not a built-in path, not 'provider*')")
+        if not isinstance(name, str) or audited(name) or any(name in p for p in PATHS.values()):
+            raise ValueError(f"peer path name {name!r} must be a new name (not a built-in path, not 'provider*' "
+                             f"or 'fp8_*')")
     return peers
 
 

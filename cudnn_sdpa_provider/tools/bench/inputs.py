@@ -12,8 +12,9 @@ import zlib
 import torch
 
 from .cases import Case, llama_config
+from .fp8_case import MIN_SETS as _FP8_MIN_SETS
 
-__all__ = ["AttnSet", "StepSet", "HFSet", "make_sets", "set_bytes", "padding_mask", "unavailable"]
+__all__ = ["AttnSet", "StepSet", "HFSet", "make_sets", "set_bytes", "set_count", "padding_mask", "unavailable"]
 
 ROTATE_BYTES = 256 << 20  # input sets rotate until they span this much: > 5x the 50 MB L2 of an H100/H200
 MAX_SETS = 8
@@ -115,6 +116,14 @@ def set_bytes(case: Case, mode: str = "fwd_bwd") -> int:
     return 2 * elems + mask  # bf16
 
 
+def set_count(case: Case) -> int:
+    """Attention input sets to rotate through: enough to span ``ROTATE_BYTES`` (at most ``MAX_SETS``),
+    at least 1, and for an fp8 case at least ``fp8_case.MIN_SETS`` (its sets are refilled after each
+    call: the next call must read another one)."""
+    low = _FP8_MIN_SETS if case.kind == "fp8" else 1
+    return max(low, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes(case))))
+
+
 def padding_mask(lens: torch.Tensor, s: int, causal: bool) -> torch.Tensor:
     """(B, 1, S, S) bool: key j visible to query i iff j < length (and j <= i when causal), the mask
     a Hugging Face model builds for a right-padded batch."""
@@ -139,7 +148,7 @@ def make_sets(case: Case) -> list:
     if case.kind == "padded":
         lens = torch.tensor(case.seq_lens, dtype=torch.int32, device="cuda")
         extra.update(lens=lens, mask=padding_mask(lens, case.seq, case.causal))
-    n = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes(case))))
+    n = set_count(case)
 
     def rnd(shape):
         return torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -20,7 +20,8 @@ from typing import Callable, Iterable
 import torch
 
 from ...hooks import activation
-from .cases import DEFAULT, MODES, Case, Preset, case_paths, check_modes, check_peers, check_settings, select
+from . import fp8_case
+from .cases import DEFAULT, MODES, Case, Preset, audited, case_paths, check_modes, check_peers, check_settings, select
 from .inputs import make_sets, set_bytes, unavailable
 from .paths import capture, scope, step
 from .report import Measurement, Row, add_ratios, summarize
@@ -47,10 +48,14 @@ class _Live:
 # ------------------------------------------------------------------------------------ timing
 
 
-def event_times(step_fn: Callable, sets: list, n: int, warmup: int) -> list[float]:
-    """CUDA-event milliseconds of ``n`` calls after ``warmup`` calls, rotating through ``sets``."""
+def event_times(step_fn: Callable, sets: list, n: int, warmup: int,
+                refresh: Callable | None = None) -> list[float]:
+    """CUDA-event milliseconds of ``n`` calls after ``warmup`` calls, rotating through ``sets``;
+    ``refresh(set)`` after each call (warm-up too), outside the timed window (fp8 cases: new values)."""
     for i in range(warmup):
         step_fn(sets[i % len(sets)])
+        if refresh is not None:
+            refresh(sets[i % len(sets)])
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     torch.cuda.synchronize()
@@ -59,6 +64,8 @@ def event_times(step_fn: Callable, sets: list, n: int, warmup: int) -> list[floa
         starts[i].record()
         step_fn(s)
         ends[i].record()
+        if refresh is not None:  # after the end event: on the stream, outside the window
+            refresh(s)
     torch.cuda.synchronize()
     return [a.elapsed_time(b) for a, b in zip(starts, ends)]
 
@@ -121,7 +128,7 @@ def _probe(p: _Live, case: Case, mode: str, sets: list, peers: dict) -> None:
                     m.calls += 1
             torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - recorded in the row
-        m.skip, m.error = _why(exc, caught), m.path.startswith("provider")  # the provider must never raise
+        m.skip, m.error = _why(exc, caught), audited(m.path)  # the provider's and FP8 paths must never raise
         if m.error:
             log.error("bench: path %s raised:", m.path, exc_info=exc)
 
@@ -132,8 +139,8 @@ def _count(p: _Live, n: int) -> None:
         p.m.replays += n
 
 
-def _timed(p: _Live, sets: list, n: int, warmup: int) -> None:
-    p.m.times_ms += event_times(p.step, sets, n, warmup)
+def _timed(p: _Live, sets: list, n: int, warmup: int, case: Case) -> None:
+    p.m.times_ms += event_times(p.step, sets, n, warmup, fp8_case.refresh if case.kind == "fp8" else None)
     _count(p, n + warmup)
 
 
@@ -157,7 +164,7 @@ def _bench_mode(case: Case, mode: str, sets: list, cfg: Preset, tick: Callable, 
     for order, n, warm in ((ran, first, cfg.warmup), (ran[::-1], cfg.repeats - first, 1)):  # ABBA
         for p in order if n else ():
             if p.m.skip is None:
-                _guard(p, lambda p=p, n=n, warm=warm: _timed(p, sets, n, warm), peers)
+                _guard(p, lambda p=p, n=n, warm=warm: _timed(p, sets, n, warm, case), peers)
     for p in live:
         if p.m.skip is None:
             _guard(p, lambda p=p: _extras(p, sets, case, cfg.host_calls), peers)

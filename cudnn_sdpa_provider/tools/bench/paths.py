@@ -1,6 +1,7 @@
 """What each path runs and inside which scope: the step function of a (case, mode, path), the
-scopes (provider enabled, a native backend forced, the transformers integration registered, a
-peer's), and the capture of the graphed training step. The paths are listed in ``cases``."""
+scopes (provider enabled, a native backend forced, the transformers integration registered, the
+counters around an FP8 path, a peer's), and the capture of the graphed training step. The paths
+are listed in ``cases``; the fp8 cases' own are in ``fp8_case``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from ...hooks import activation
 from ...core import counters
 from ...integrations.transformers import DEFAULT_NAME as _HF_NAME
-from .cases import Case
+from . import fp8_case
+from .cases import Case, audited
 from .inputs import HFSet, StepSet
 from .report import Measurement
 
@@ -36,6 +38,8 @@ def _varlen_kwargs(fn, causal: bool) -> dict:
 
 def _attn(case: Case, path: str) -> Callable:
     sdpa, causal, gqa = F.scaled_dot_product_attention, case.causal, case.gqa
+    if case.kind == "fp8":
+        return fp8_case.attn(case, path)
     if case.kind == "varlen":
         from torch.nn.attention.varlen import varlen_attn
 
@@ -143,6 +147,8 @@ def scope(m: Measurement, peers: dict):
         return _integration_scope(m)
     if m.path.startswith("provider"):
         return _provider_scope(m)
+    if audited(m.path):  # fp8_*: csp.fp8 needs no enable(); its calls are counted
+        return _counted(m)
     if m.path in _BACKENDS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -8,7 +8,8 @@ Row metrics:
                   padded: summed over the real lengths); fwd_bwd counts ``cases.BWD_FACTOR`` (3.5) x
                   forward; none for training steps (a step is more than attention)
   vs_native       baseline median / this median, >1 = faster; baseline native_cudnn (varlen:
-                  native_varlen; padded: native_cudnn, else native if cuDNN declined; steps: native)
+                  native_varlen; padded: native_cudnn, else native if cuDNN declined; steps and fp8
+                  cases: native, PyTorch's own choice of backend)
   peak_mib        peak memory allocated during one call above what was allocated before it (inputs,
                   and for steps the model, its gradients and activations kept between steps)
   inputs_mib      one input set: q, k, v (and grad_out for fwd_bwd); hf_llama: the token batch
@@ -16,7 +17,8 @@ Row metrics:
                   inside the loop, one at the end
   host_vs_native  baseline host_us / this host_us, >1 = cheaper on the host
   calls, served, fallbacks, fallback_reasons
-                  provider rows: calls made and the counters' diff over them. A provider row is "ok"
+                  provider and fp8_* rows (``cases.audited``): calls made and the counters' diff over
+                  them (an FP8 path's are ``fp8_fwd`` / ``fp8_bwd``). Such a row is "ok"
                   only if every attention call (forward and backward) made through Python was served
                   (``expected``: graph replays run no Python, so only the warm-up and capture steps
                   count); otherwise its status is "fallback" or "unserved" and its numbers are not
@@ -37,7 +39,8 @@ import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from .cases import BASELINE, MATRIX, MODES, Case, expected_calls, flops
+from . import fp8_case
+from .cases import BASELINE, KNOWN, MODES, Case, audited, expected_calls, flops
 
 __all__ = ["Measurement", "Row", "summarize", "add_ratios", "collect_meta", "to_json", "format_table", "plot",
            "require_matplotlib"]
@@ -120,7 +123,7 @@ def summarize(case: Case, mode: str, m: Measurement, inputs_mib: float, input_se
     work = flops(case, mode)
     row.tflops = None if work is None else work / (row.median_ms * 1e-3) / 1e12
     row.repeats, row.peak_mib, row.host_us = len(ordered), m.peak_mib, m.host_us
-    if m.path.startswith("provider"):
+    if audited(m.path):
         row.expected = expected_calls(case, mode, m.calls - m.replays)
         row.served, row.fallbacks, row.fallback_reasons = m.served, sum(m.fallback.values()), dict(m.fallback)
         row.status, row.reason = _provider_status(row)
@@ -170,7 +173,7 @@ def collect_meta(argv: list[str] | None = None, **settings) -> dict:
         "cudnn_frontend": caps.frontend_version,
         "cudnn_unavailable": caps.unavailable,
         "settings": settings,
-        "cases": {c.name: {**dataclasses.asdict(c), "description": c.describe()} for c in MATRIX},
+        "cases": {c.name: {**dataclasses.asdict(c), "description": c.describe()} for c in KNOWN},
     }
 
 
@@ -202,7 +205,8 @@ def _cells(r: Row) -> tuple:
 
 
 def format_table(rows: list[Row]) -> str:
-    """Plain-text table, a blank line between cases; non-ok rows say why in the note column."""
+    """Plain-text table, a blank line between cases; non-ok rows say why in the note column. With
+    fp8 rows, their side-by-side ratios follow (``fp8_case.ratio_table``)."""
     cells = [_HEAD] + [_cells(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(_HEAD) - 1)]
 
@@ -215,7 +219,8 @@ def format_table(rows: list[Row]) -> str:
         if prev is not None and prev.case != r.case:
             lines.append("")
         lines.append(line(c))
-    return "\n".join(lines)
+    fp8 = fp8_case.ratio_table(rows)
+    return "\n".join(lines + (["", fp8] if fp8 else []))
 
 
 # ----------------------------------------------------------------------------------- plot
@@ -231,20 +236,28 @@ def require_matplotlib():
 
 
 _SERIES = (("dense", False, "o", ""), ("dense", True, "^", " causal"), ("varlen", False, "D", " varlen"),
-           ("varlen", True, "s", " varlen causal"), ("padded", True, "v", " padded causal"))
+           ("varlen", True, "s", " varlen causal"), ("padded", True, "v", " padded causal"),
+           ("fp8", False, "P", " fp8 case"), ("fp8", True, "X", " fp8 case causal"))
 # (kind, causal, marker, label suffix); training steps have no TFLOP/s
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """TFLOP/s against sequence length per path, one panel per mode; written to ``path``."""
+    """TFLOP/s against sequence length per path, one panel per mode; with fp8 rows, a second row of
+    panels: bf16 native time / path time against S (``fp8_case.ratio_points``); written to ``path``."""
     figure = require_matplotlib()
     good = [r for r in rows if r.status == "ok" and r.tflops]
     modes = [m for m in MODES if any(r.mode == m for r in good)]
     if not modes:
         raise ValueError("no timed rows to plot")
-    fig = figure(figsize=(6.5 * len(modes), 4.5), layout="constrained")
-    axes = fig.subplots(1, len(modes), squeeze=False)[0]
+    gqa = frozenset(c.name for c in KNOWN if c.gqa)
+    ratios = {m: fp8_case.ratio_points(rows, m, gqa) for m in modes}
+    panels = 2 if any(ratios.values()) else 1
+    fig = figure(figsize=(6.5 * len(modes), 4.5 * panels), layout="constrained")
+    grid = fig.subplots(panels, len(modes), squeeze=False)
+    axes = grid[0]
     paths = list(dict.fromkeys(r.path for r in good))
+    for ax, mode in zip(grid[1] if panels == 2 else (), modes):
+        _plot_ratios(ax, mode, ratios[mode], paths)
     for ax, mode in zip(axes, modes):
         for i, p in enumerate(paths):
             for kind, causal, marker, tag in _SERIES:
@@ -257,3 +270,18 @@ def plot(rows: list[Row], path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.savefig(path)
+
+
+def _plot_ratios(ax, mode: str, points: dict, paths: list) -> None:
+    """One panel of the fp8 rows' ratios: a series per (path, causal, GQA), a line at 1."""
+    for (p, causal, is_gqa), pts in sorted(points.items()):
+        color = f"C{paths.index(p)}" if p in paths else None
+        marker = ("X" if causal else "P") if not is_gqa else ("v" if causal else "^")
+        label = p + (" causal" if causal else "") + (" GQA" if is_gqa else "")
+        ax.plot(*zip(*pts), marker=marker, linestyle="none", color=color, label=label)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(title=f"{mode}: fp8 cases", xlabel="sequence length", ylabel="bf16 native time / path time")
+    ax.grid(True, alpha=0.3)
+    if points:
+        ax.legend(fontsize="small")
