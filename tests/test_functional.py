@@ -189,6 +189,9 @@ BAD = {
     "packed_rank": (_case((Q4, Q4, Q4), **PACKED), ValueError, r"q must be 3-D \(T, H, D\) here"),
     "dtype_mismatch": (_case((Q4, KV4.double(), KV4)), TypeError, r"q, k, v must share a dtype"),
     "integer_dtype": (_case((Q4.long(), KV4.long(), KV4.long())), TypeError, r"must be floating point, got torch.int64"),
+    "fp8_dtype": (_case(tuple(t.to(torch.float8_e4m3fn) for t in (Q4, KV4, KV4))), TypeError,
+                  r"must be float16, bfloat16 or float32 here, got torch.float8_e4m3fn; FP8 attention is "
+                  r"cudnn_sdpa_provider.fp8"),
     "h_q_not_divisible": (_case((Q4, rnd(2, 3, 6, 8), rnd(2, 3, 6, 8))), ValueError,
                           r"H_q=4 must be a multiple of H_k=3 and H_v=3"),
     "h_v_not_divisible": (_case((Q4, KV4, rnd(2, 3, 6, 8))), ValueError, r"H_q=4 must be a multiple of .*H_v=3"),

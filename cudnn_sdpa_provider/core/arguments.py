@@ -143,6 +143,10 @@ def common(q, k, v, sinks, dims: int, kv_dims: int | None = None) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.is_floating_point():
         raise TypeError(f"q, k, v must be floating point, got {q.dtype}")
+    if q.element_size() == 1:  # float8_*: no kernel behind this API takes them (PyTorch's neither)
+        raise TypeError(f"q, k, v must be float16, bfloat16 or float32 here, got {q.dtype}; FP8 attention is "
+                        "cudnn_sdpa_provider.fp8: attention (from bf16/fp16/fp32 activations) or forward (from FP8 "
+                        "tensors already quantised)")
     h_q, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]  # heads are dim 1 in both layouts
     if h_k == 0 or h_v == 0 or h_q % h_k or h_q % h_v:
         raise ValueError(f"H_q={h_q} must be a multiple of H_k={h_k} and H_v={h_v} (GQA/MQA)")
