@@ -4,13 +4,13 @@ Varlen batches of one configuration with random lengths inside and across length
 longest sequence at 2^k - 1, 2^k, 2^k + 1 and random lengths between), random batch counts and
 tokens past the last sequence, forward and backward through ``csp.attention``. Each call is checked
 against the fp32 reference relative to each tensor's magnitude, and against PyTorch's own
-``varlen_attn`` (FlashAttention) where this torch has it and the heads are equal. Every operand is a
-view of a longer buffer whose tokens past ``cu_seqlens[-1]`` are NaN, inside the tensor and past
-its end (a canary: a kernel that read past a sequence would make the answer NaN); rows past the last
-sequence must come back 0. The graphs built are counted with ``graphs.cache_info()``: at most one
-forward and one backward per bucket, and none when the configuration comes back with new lengths.
+``varlen_attn`` (FlashAttention) where this torch has it (GQA where it takes ``enable_gqa``). Every
+operand is a view of a longer buffer whose tokens past ``cu_seqlens[-1]`` are NaN, inside the tensor
+and past its end (a canary: a kernel that read past a sequence would make the answer NaN); rows past
+the last sequence must come back 0. The graphs built are counted with ``graphs.cache_info()``: at
+most one forward and one backward per bucket, and none when the configuration comes back with new
+lengths.
 """
-
 from __future__ import annotations
 
 import inspect
@@ -54,13 +54,16 @@ def _native_varlen():
     return varlen_attn
 
 
+def _native_takes(name: str) -> bool:
+    return name in inspect.signature(_native_varlen()).parameters
+
+
 def _native(q, k, v, go, cu_q, cu_kv, max_q, max_kv, causal: bool):
     """PyTorch's varlen_attn (outside any provider scope) on clones: (out, dq, dk, dv)."""
     varlen_attn = _native_varlen()
-    kw = {}
-    if causal:
-        spelled = "window_size" in inspect.signature(varlen_attn).parameters  # 2.11: window_size; before: is_causal
-        kw = {"window_size": (-1, 0)} if spelled else {"is_causal": True}
+    kw = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if causal:  # 2.11: window_size; before: is_causal
+        kw.update({"window_size": (-1, 0)} if _native_takes("window_size") else {"is_causal": True})
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = varlen_attn(*leaves, cu_q, cu_kv, max_q, max_kv, **kw)
     out.backward(go)
@@ -95,7 +98,7 @@ def _step(lens_q, lens_kv, max_q, max_kv, h_q, h_kv, d, *, causal, bottom_right=
     for name, got, want, g in (("dq", q.grad, leaves[0].grad, 1), ("dk", k.grad, leaves[1].grad, group),
                                ("dv", v.grad, leaves[2].grad, group)):
         assert_rel_close(got, want, grad_tol(DT, g), f"{name}, {where}")
-    if native and group == 1 and not bottom_right and _native_varlen() is not None:
+    if native and not bottom_right and _native_varlen() is not None and (group == 1 or _native_takes("enable_gqa")):
         n_out, n_dq, n_dk, n_dv = _native(q, k, v, go, cu_q, cu_kv, max_q, max_kv, causal)
         for name, got, nat, used in (("out", out, n_out, used_q), ("dq", q.grad, n_dq, used_q),
                                      ("dk", k.grad, n_dk, used_kv), ("dv", v.grad, n_dv, used_kv)):
