@@ -40,6 +40,8 @@ class FakeGraph:
         """Per sequence b: (H, len_b, D) from base + offsets[b] with the declared head/token strides."""
         _, h, _, dd = d.dims
         _, hs, ts, ds = d.strides
+        assert offsets.numel() == d.dims[0] + 1 and lengths.numel() == d.dims[0], \
+            f"{lengths.numel()} lengths and {offsets.numel()} offsets for a declared batch of {d.dims[0]}"
         out = []
         for off, n in zip(offsets.view(-1).tolist(), lengths.view(-1).tolist()):
             assert 0 <= n <= d.dims[2], f"a length {n} past the declared S_max {d.dims[2]}"
@@ -149,8 +151,21 @@ class FakeGraph:
         for uid, d, g in ((UID.DQ, k.dq, dq), (UID.DK, k.dk, dk), (UID.DV, k.dv, dv)):
             self._dense(b[uid], d).copy_(g)
 
+    def _accumulator_bound(self, b, lq, lk):
+        """With ``max_total_seq_len_q/kv`` cuDNN sizes its fp32 dQ accumulator (and GQA's full-head
+        dK/dV) for that many tokens and indexes it by the dQ/dK ragged offsets: every token a call
+        writes must lie below the bound (cudnn-frontend, ``CompositeSDPABackwardNode``, "sized THD")."""
+        if self.key.max_total is None:
+            return
+        for side, desc, rag, lens, bound in (("q", self.key.dq, UID.RAG_DQ, lq, self.key.max_total[0]),
+                                             ("kv", self.key.dk, UID.RAG_DK, lk, self.key.max_total[1])):
+            token = desc.strides[2]  # the declared token stride: offsets are counted in elements
+            ends = [off // token + n for off, n in zip(b[rag].view(-1).tolist(), lens.view(-1).tolist()) if n]
+            assert max(ends, default=0) <= bound, f"{side}: a token at {max(ends)} past the accumulator bound {bound}"
+
     def _backward_ragged(self, b, lq, lk, sinks):
         k = self.key
+        self._accumulator_bound(b, lq, lk)
         read = lambda uid, d, rag, n: self._ragged(b[uid], d, b[rag], n)  # noqa: E731
         qs, dos, dqs = read(UID.Q, k.q, UID.RAG_Q, lq), read(UID.DO, k.do, UID.RAG_DO, lq), read(UID.DQ, k.dq, UID.RAG_DQ, lq)
         ks, vs = read(UID.K, k.k, UID.RAG_K, lk), read(UID.V, k.v, UID.RAG_V, lk)

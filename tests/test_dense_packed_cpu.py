@@ -1,6 +1,7 @@
 """CPU tier: ``dense``/``packed`` host-side decisions that need no GPU: when bottom-right alignment is the
 same mask as top-left (then top-left is used: cuDNN skips masked tiles there), and the token
-bounds that size a ragged backward's dQ accumulator."""
+bounds that size a ragged backward's dQ accumulator over its budget (tests/test_packed_buckets.py
+drives the keying rule through the engine)."""
 
 from __future__ import annotations
 
@@ -42,14 +43,16 @@ def _caps(cc):
     return support.Capabilities(cuda=True, device_name="test", compute_capability=cc, cudnn_version=91900)
 
 
-def test_max_total_sizes_the_accumulator_by_tokens_on_hopper_only():
-    # the bench's varlen mix: 42052 tokens, 16 sequences up to 4092 (nominal 16 x 4096)
-    assert packed.max_total(_caps((9, 0)), 42052, 42052, 16, 4096, 4096, 128, 128) == (43008, 43008)
-    assert packed.max_total(_caps((8, 0)), 42052, 42052, 16, 4096, 4096, 128, 128) is None  # Ampere-style kernels
-    assert packed.max_total(_caps((9, 0)), 42052, 42052, 16, 4096, 4096, 72, 72) is None  # d % 16 != 0
-    assert packed.max_total(_caps((9, 0)), 500, 500, 2, 256, 256, 64, 64) is None  # no gain over 2 x 256
-    assert packed.max_total(_caps((10, 0)), 300, 9000, 4, 128, 4096, 64, 64) == (320, 9216)
-    assert packed.max_total(_caps((9, 0)), 600, 9000, 4, 128, 4096, 64, 64) == (512, 9216)  # capped at B x S
+def test_max_total_sizes_the_accumulator_by_tokens_over_the_budget_on_hopper_only():
+    # the bench's varlen mix: 42052 tokens, 16 sequences up to 4092 (nominal 16 x 4096, H 16, D 128: 512 MiB)
+    assert packed.max_total(_caps((9, 0)), 42052, 42052, 16, 4096, 4096, 16, 128, 128) == (43008, 43008)
+    assert packed.max_total(_caps((8, 0)), 42052, 42052, 16, 4096, 4096, 16, 128, 128) is None  # Ampere-style
+    assert packed.max_total(_caps((9, 0)), 42052, 42052, 16, 4096, 4096, 16, 72, 72) is None  # d % 16 != 0
+    assert packed.max_total(_caps((9, 0)), 42052, 42052, 16, 4096, 4096, 4, 128, 128) is None  # 128 MiB: under
+    assert packed.max_total(_caps((9, 0)), 500, 500, 2, 256, 256, 64, 64, 64) is None  # under the budget
+    # 4 x 8192 query slots x 64 heads x 64 x 4 bytes = 512 MiB: over; the bound is capped at 4 x 8192
+    assert packed.max_total(_caps((10, 0)), 300, 9000, 4, 8192, 4096, 64, 64, 64) == (320, 9216)
+    assert packed.max_total(_caps((9, 0)), 40000, 9000, 4, 8192, 4096, 64, 64, 64) == (32768, 9216)
 
 
 def test_padded_lse_places_each_token_at_its_sequence_and_position():
@@ -70,10 +73,10 @@ def test_padded_lse_places_each_token_at_its_sequence_and_position():
     assert rows.padded_lse(lse[:0], starts, lengths, 4).shape == (3, 3, 4, 1)  # no tokens at all
 
 
-def test_padded_lse_only_while_the_nominal_batch_is_near_the_tokens():
-    assert packed.padded_lse_pays(16, 4096, 42052)  # the bench's varlen case: 65536 slots for 42052 tokens
-    assert not packed.padded_lse_pays(512, 8192, 65536)  # many short documents under one long one
-    assert packed.padded_lse_pays(1, 1, 0)
+def test_padded_lse_only_while_the_padded_tensor_is_small():
+    assert packed.padded_lse_pays(16, 4096, 16)  # the bench's varlen case: 4 MiB
+    assert not packed.padded_lse_pays(512, 8192, 16)  # many short documents under one long one: 256 MiB
+    assert packed.padded_lse_pays(1, 1, 1)
 
 
 def test_fill_writes_zero_or_nan_whether_or_not_the_buffer_can_be_seen_as_words():

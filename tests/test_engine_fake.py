@@ -224,7 +224,7 @@ def test_packed_forward_backward_on_every_layout(fake, kind, window):
 
 
 @pytest.mark.parametrize("lse_form", ["padded", "ragged"])
-def test_packed_backward_reads_each_sequences_own_lse(fake, lse_form):
+def test_packed_backward_reads_each_sequences_own_lse(fake, lse_form, monkeypatch):
     """Queries and keys with their own cu_seqlens, a sequence without queries in the middle, tokens
     past the last sequence, the LSE handed over transposed (as varlen_attn's (H, T) LSE arrives):
     the backward's LSE, padded or ragged (``packed.padded_lse_pays``), is each sequence's forward's
@@ -233,7 +233,9 @@ def test_packed_backward_reads_each_sequences_own_lse(fake, lse_form):
     lens_q, lens_kv = ([7, 0, 8], [5, 3, 8]) if lse_form == "padded" else ([1, 0, 6], [5, 3, 8])
     cu_q, cu_kv = _cu(lens_q), _cu(lens_kv)
     t_q, t_kv = sum(lens_q) + 3, sum(lens_kv) + 2  # tokens past the end on both sides
-    assert packed.padded_lse_pays(3, packed.seqlen_bucket(8), t_q) is (lse_form == "padded")
+    if lse_form == "ragged":  # the padded (4, 4, 8, 1) LSE over a budget of 0 bytes
+        monkeypatch.setattr(packed, "PADDED_LSE_BUDGET", 0)
+    assert packed.padded_lse_pays(packed.batch_bucket(3), packed.seqlen_bucket(8), 4) is (lse_form == "padded")
     q = torch.randn(t_q, 4, 8, generator=gen)
     k, v = (torch.randn(t_kv, 4, 8, generator=gen) for _ in range(2))
     go = torch.randn(t_q, 4, 8, generator=gen)
