@@ -8,12 +8,15 @@
 Two levels:
 
 * ``attention``: activations (bf16, fp16 or fp32) in, the same dtype out, differentiable through
-  autograd. It quantises q, k, v (and, in the backward, dO) with current scaling (``quantize``:
-  the largest FP8 value over this call's amax, as a power of 2) and runs the FP8 graphs. O's scale
+  autograd. It quantises q, k, v (and, in the backward, dO) as its ``Recipe`` says
+  (``ops.fp8_quant``): delayed scaling by default (one pass, the scale from an amax history on
+  the device; a call the history's scale would clip is redone at its own scale and counted in
+  ``csp.stats().fp8_saturated``), or current scaling (``quantize``: this call's amax). O's scale
   comes from max |V| (|O| <= max |V|: each row of O is a convex combination of V's rows). The
-  scales of dQ, dK, dV and dS, which cuDNN needs before it computes them, come from the
-  ``Recipe``'s amax of the previous backward (x ``margin``), checked against this call's amax and
-  re-run when an output would have saturated (``fp8_ops``): no clipped gradient is returned.
+  scales of dQ, dK, dV and dS, which cuDNN needs before it computes them, come from earlier
+  backwards (``fp8_ops``): under current scaling checked after the call and re-run when an output
+  would have saturated (no clipped gradient is returned, one host sync); under delayed scaling
+  predicted on the device and counted when they clip (no host sync). docs/fp8.md says exactly.
 * ``forward`` / ``backward``: FP8 operands with the caller's own factors, returning what a scaling
   recipe needs (the amax values). Real value = stored value x descale; an output stored in FP8 is
   its real value x scale, saturated at 448 (float8_e4m3fn), as cuDNN stores it.

@@ -410,6 +410,16 @@ def test_the_compiled_path_gives_the_torch_path_s_bits():
         got = fp8_quant._compiled("current")(dense, E4M3, 1.0)
         same_bits(got[0], want[0], "compiled current")
         same_value(got[1], want[1])
+    h = [_history(4), _history(4)]
+    for step, mag in enumerate([1.0, 1.0, 40.0, 1e-4, 1.0]):
+        x = torch.randn(4, 100, generator=gen(step)).bfloat16() * mag
+        total = torch.zeros(1, dtype=torch.int32)  # ("compiled" runs only on CUDA through delayed())
+        got = fp8_quant._compiled("delayed")(x, E4M3, h[1].amax, h[1].row, h[1].saturated, total, 1, 2.0)
+        want = fp8_quant.delayed(x, E4M3, h[0], 1, margin=2.0, impl="torch")
+        same_bits(got[0], want[0], f"compiled delayed step {step}")
+        same_value(got[1], want[1])
+    for field in ("amax", "row", "saturated"):
+        assert torch.equal(getattr(h[0], field), getattr(h[1], field)), field
 
 
 def test_choose_picks_torch_on_the_cpu_and_rejects_unknown_names():

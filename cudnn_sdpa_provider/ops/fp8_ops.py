@@ -17,6 +17,13 @@ amax back into the state (scales are powers of 2). No saturated gradient is ever
 still off after the last attempt raises. Without a recipe the given ``scales`` are used once. The
 state is the kernel's own side effect, like the counters, not an argument the op mutates: several
 backwards of one compiled graph may update it, which torch.compile cannot express for an input.
+
+A recipe with ``scaling="delayed"`` keeps an amax history (``Recipe.history``, ``fp8_quant.History``):
+``fp8_quantize`` (q, k, v, dO, slots 0-3) quantises from it and updates it on the device, and
+``fp8_bwd``, after the recipe's first backward on a device (the adaptive one above, which starts
+the history), takes its scales from it (slots 4-7: amax per unit of the operands' descales,
+``_predicted``), runs once and records this call's amax, with no host sync; a call whose scale
+clipped is counted, not re-run.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def delayed(x: torch.Tensor, dtype, history, slot: int, margin: float, total: to
                           ROWS=triton.next_power_of_2(rows), TOP_EXP=top_exp, TOP_MANT=top_mant, E5M2=e5m2,
                           SOFT=soft_cast, num_warps=_WARPS)
     _cast_kernel[grid](flat_x, flat_out, n, bits, float(margin), descale, used, column, rows, slots,
-                       history.row[slot:], history.saturated[slot:], total, float(under), FORMAT_MAX[dtype], BLOCK=BLOCK,
-                       DELAYED=True, TOP_EXP=top_exp, TOP_MANT=top_mant, E5M2=e5m2, SOFT=soft_cast,
+                       history.row[slot:], history.saturated[slot:], total, float(under), FORMAT_MAX[dtype],
+                       BLOCK=BLOCK, DELAYED=True, TOP_EXP=top_exp, TOP_MANT=top_mant, E5M2=e5m2, SOFT=soft_cast,
                        num_warps=_WARPS)
     return out, descale, bits.view(torch.float32).reshape(())
