@@ -480,7 +480,17 @@ def _run(fn, q, k, v, go, recipe):
 
 def test_stats_diff_and_report_carry_the_saturation_count():
     a = counters.Stats()
-    assert a.fp8_saturated == 0 and "fp8_saturated" not in a.to_dict()
+    assert a.fp8_saturated == 0 and "fp8_saturated" not in a.to_dict(), "to_dict's keys stay the paths"
+    assert "clipped" not in counters.format_table(a)
+
+
+def test_a_device_count_that_cannot_be_read_leaves_stats_working(monkeypatch):
+    def broken(discard):
+        raise RuntimeError("CUDA is shutting down")
+
+    monkeypatch.setitem(counters._drains, "fp8_saturated", broken)
+    assert csp.stats().fp8_saturated >= 0
+    csp.reset_stats()
 
 
 # ------------------------------------------------------------------------------ bench script

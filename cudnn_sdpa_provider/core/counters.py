@@ -86,7 +86,11 @@ def _drain(discard: bool = False) -> None:
     with _lock:
         found = list(_drains.items())
     for name, drain in found:
-        n = drain(discard)
+        try:
+            n = drain(discard)
+        except Exception as error:  # a device that cannot be read now (shutting down): its count waits
+            log_once(("drain", name), logging.WARNING, "cudnn_sdpa_provider: could not read %s: %s", name, error)
+            continue
         if n and not discard:
             with _lock:
                 _extra[name] = _extra.get(name, 0) + n
