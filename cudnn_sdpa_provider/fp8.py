@@ -8,12 +8,15 @@
 Two levels:
 
 * ``attention``: activations (bf16, fp16 or fp32) in, the same dtype out, differentiable through
-  autograd. It quantises q, k, v (and, in the backward, dO) with current scaling (``quantize``:
-  the largest FP8 value over this call's amax, as a power of 2) and runs the FP8 graphs. O's scale
+  autograd. It quantises q, k, v (and, in the backward, dO) as its ``Recipe`` says
+  (``ops.fp8_quant``): delayed scaling by default (one pass, the scale from an amax history on
+  the device; a call the history's scale would clip is redone at its own scale and counted in
+  ``csp.stats().fp8_saturated``), or current scaling (``quantize``: this call's amax). O's scale
   comes from max |V| (|O| <= max |V|: each row of O is a convex combination of V's rows). The
-  scales of dQ, dK, dV and dS, which cuDNN needs before it computes them, come from the
-  ``Recipe``'s amax of the previous backward (x ``margin``), checked against this call's amax and
-  re-run when an output would have saturated (``fp8_ops``): no clipped gradient is returned.
+  scales of dQ, dK, dV and dS, which cuDNN needs before it computes them, come from earlier
+  backwards (``fp8_ops``): under current scaling checked after the call and re-run when an output
+  would have saturated (no clipped gradient is returned, one host sync); under delayed scaling
+  predicted on the device and counted when they clip (no host sync). docs/fp8.md says exactly.
 * ``forward`` / ``backward``: FP8 operands with the caller's own factors, returning what a scaling
   recipe needs (the amax values). Real value = stored value x descale; an output stored in FP8 is
   its real value x scale, saturated at 448 (float8_e4m3fn), as cuDNN stores it.
@@ -32,8 +35,14 @@ import torch
 from .core import arguments, scope
 from .ops.fp8_reference import FORMAT_MAX, pow2_scale
 
-__all__ = ["E4M3", "E5M2", "DEFAULT_SCALE_S", "quantize", "Forward", "Backward", "forward", "backward", "Recipe",
-           "attention"]
+SCALINGS = ("delayed", "current")
+#: Amax values a delayed recipe keeps per tensor (Transformer Engine's DelayedScaling keeps 1024 by
+#: default; 16 follows a changing model closely and still rides out one small step).
+DEFAULT_HISTORY = 16
+MAX_HISTORY = 1024
+
+__all__ = ["E4M3", "E5M2", "DEFAULT_SCALE_S", "DEFAULT_HISTORY", "SCALINGS", "quantize", "Forward", "Backward",
+           "forward", "backward", "Recipe", "attention"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -51,18 +60,13 @@ def _kernels(q):
 
 
 def _current(t: torch.Tensor, dtype, margin: float = 1.0):
-    """(t in FP8 ``dtype``, descale (1,), amax): one pass for the amax, one scaled cast. The scale
-    is a power of 2 at most top / amax, so no value exceeds the format (no clamp). A non-finite
+    """(t in FP8 ``dtype``, descale (1,), amax): current scaling (``ops.fp8_quant``). A non-finite
     amax (an inf or NaN anywhere in ``t``) has no scale: it is NaN, and so are the descale and
     every stored value, so that everything computed from ``t`` is NaN (with a scale of 0, which
     top / inf gives, one inf would zero the whole tensor instead, issue #29)."""
-    t = t.detach()
-    amax = torch.linalg.vector_norm(t, float("inf")).float() if t.numel() else \
-        t.new_zeros((), dtype=torch.float32)
-    scale = torch.exp2(torch.floor(torch.log2(FORMAT_MAX[dtype] / (amax * margin).clamp(min=1e-30))))
-    scale = torch.where(amax > 0, scale, 1.0).where(torch.isfinite(amax), float("nan"))  # all-zero t: scale 1
-    work = t if t.dtype in (torch.bfloat16, torch.float32) else t.float()  # a power-of-2 scale is exact in bf16
-    return (work * scale.to(work.dtype)).to(dtype), (1.0 / scale).reshape(1), amax
+    from .ops import fp8_quant
+
+    return fp8_quant.current(t, dtype, margin=margin)
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: float = 1.0):
@@ -220,22 +224,43 @@ def backward(grad_out, q, k, v, out, lse, *, descale_q, descale_k, descale_v, de
 
 
 class Recipe:
-    """Scaling for ``attention``: current scaling of q, k, v, dO; O from max |V|; dQ, dK, dV, dS
-    from the last backward's amax x ``margin`` (a power of 2 of headroom by default), checked and
-    re-run on saturation. ``grad_dtype``: dO's FP8 format (e4m3fn, or e5m2 for more range).
-    One recipe holds one amax set per device; share it across layers or give each its own (a
-    layer whose gradients differ in size from the last one's costs a re-run, never accuracy)."""
+    """Scaling for ``attention`` (docs/fp8.md says what each guarantees).
 
-    def __init__(self, *, margin: float = 2.0, scale_s: float = DEFAULT_SCALE_S, grad_dtype: torch.dtype = E4M3):
+    ``scaling="delayed"`` (default): q, k, v and dO are quantised in one pass at a scale from the
+    largest of their last ``history`` amax values (x ``margin``), kept on the device; a call whose
+    scale would clip (or flush: more than 16x too small), or the first one, is redone on the
+    device at its own amax (``ops.fp8_quant``), and a clipping one is counted
+    (``csp.stats().fp8_saturated``, ``saturated``). dQ, dK, dV, dS: scales from the last
+    ``history`` backwards' amax x ``margin``, no host sync after the recipe's first backward; a
+    backward whose scale clipped is counted, not re-run.
+    ``scaling="current"``: q, k, v, dO at this call's own amax (two passes each); dQ, dK, dV, dS
+    from the last backward's amax x ``margin``, checked after the backward (one host sync) and
+    re-run when an output would have saturated: no clipped gradient is ever returned.
+
+    Both: O from max |V|; ``grad_dtype``: dO's FP8 format (e4m3fn, or e5m2 for more range). One
+    recipe holds one state per device; share it across layers or give each its own (layers whose
+    tensors differ in size share the largest one's scales)."""
+
+    def __init__(self, *, scaling: str = "delayed", history: int = DEFAULT_HISTORY, margin: float = 2.0,
+                 scale_s: float = DEFAULT_SCALE_S, grad_dtype: torch.dtype = E4M3, _pinned: bool = False):
+        if not isinstance(scaling, str) or scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {list(SCALINGS)}, got {scaling!r}")
+        if isinstance(history, bool) or not isinstance(history, int) or not 1 <= history <= MAX_HISTORY:
+            raise ValueError(f"history must be an int from 1 to {MAX_HISTORY} (the amax values kept per tensor), "
+                             f"got {history!r}")
+        self.scaling = scaling
+        self.history_len = history
         self.margin = _positive("margin", margin, 1.0)
         self.scale_s = _scale_s(scale_s)
         if grad_dtype not in (E4M3, E5M2):
             raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
         self.grad_dtype = grad_dtype
         self._states: dict = {}
+        self._histories: dict = {}
+        self._warm: set = set()
         from .ops import fp8_ops
 
-        self.id = fp8_ops.register(self)  # how the backward kernel finds this recipe's state
+        self.id = fp8_ops.register(self, _pinned)  # how the kernels find this recipe's state
 
     def state(self, device) -> torch.Tensor:
         """This device's (5,) fp32 state: last amax of dQ, dK, dV, dS (0: none yet), re-runs so far."""
@@ -245,16 +270,57 @@ class Recipe:
             found = self._states[device] = torch.zeros(5, dtype=torch.float32, device=device)
         return found
 
+    def history(self, device):
+        """This device's delayed-scaling state (``ops.fp8_quant.History``): ``amax`` (history, 8)
+        fp32, the last amax values of q, k, v, dO (0: none) and of dQ, dK, dV, dS per unit of
+        their operands' descales (``ops.fp8_ops``: dQ per dO x V x K, dK per dO x V x Q, dV per
+        dO, dS per dO x V); ``row`` (8,) each one's next row; ``saturated`` (8,): calls whose
+        scale would have clipped (q, k, v, dO each; backwards in slot 4) and backwards whose
+        scale was more than 16x too small (slot 5)."""
+        device = torch.device(device)
+        found = self._histories.get(device)
+        if found is None:
+            from .ops import fp8_ops, fp8_quant
+
+            found = self._histories[device] = fp8_quant.History.zeros(self.history_len, fp8_ops.SLOTS, device)
+        return found
+
+    def warm(self, device, value: bool | None = None) -> bool:
+        """Whether a delayed recipe's backward on ``device`` takes its scales from the history
+        (after its first backward with finite gradients); ``value`` sets it."""
+        device = torch.device(device)
+        if value is not None:
+            (self._warm.add if value else self._warm.discard)(device)
+        return device in self._warm
+
     @property
     def retries(self) -> int:
         """Backwards re-run because an output would have saturated (all devices; a host sync)."""
         return int(sum(s[4].item() for s in self._states.values()))
 
+    @property
+    def saturated(self) -> int:
+        """Calls of this recipe whose delayed scale would have clipped, all devices (a host sync)."""
+        return int(sum((h.saturated.sum() - h.saturated[5]).item() for h in self._histories.values()))
+
+    @property
+    def flushed(self) -> int:
+        """Delayed backwards whose gradient scale was more than 16x too small for this call's
+        amax (small gradients flushed to 0; not re-run), all devices (a host sync)."""
+        return int(sum(h.saturated[5].item() for h in self._histories.values()))
+
+    def reset(self) -> None:
+        """Forget every amax, re-run and saturation count: the next call is a first call."""
+        self._states.clear()
+        self._histories.clear()
+        self._warm.clear()
+
     def __repr__(self) -> str:
-        return f"Recipe(margin={self.margin}, scale_s={self.scale_s}, grad_dtype={self.grad_dtype})"
+        return (f"Recipe(scaling={self.scaling!r}, history={self.history_len}, margin={self.margin}, "
+                f"scale_s={self.scale_s}, grad_dtype={self.grad_dtype})")
 
 
-_DEFAULT = Recipe()
+_DEFAULT = Recipe(_pinned=True)
 
 
 def _poison(*descales: torch.Tensor) -> torch.Tensor:
@@ -265,32 +331,41 @@ def _poison(*descales: torch.Tensor) -> torch.Tensor:
     return sum(d.reshape(1).float() for d in descales) * 0.0
 
 
+def _quantize(t, dtype, recipe: int, slot: int, margin: float, delayed: bool):
+    """An input of ``attention`` in FP8: the recipe's delayed scaling from its history ``slot``, or
+    current scaling at margin 1 (``ops.fp8_ops.quantize``)."""
+    from .ops import fp8_ops
+
+    return fp8_ops.quantize(t, dtype, recipe if delayed else 0, slot, margin if delayed else 1.0)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seq_q, seq_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback):
-        q8, descale_q, _ = _current(q, E4M3)
-        k8, descale_k, _ = _current(k, E4M3)
-        v8, descale_v, amax_v = _current(v, E4M3)
+    def forward(ctx, q, k, v, seq_q, seq_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback,
+                delayed):
+        q8, descale_q, _ = _quantize(q, E4M3, recipe, 0, margin, delayed)
+        k8, descale_k, _ = _quantize(k, E4M3, recipe, 1, margin, delayed)
+        v8, descale_v, amax_v = _quantize(v, E4M3, recipe, 2, margin, delayed)
         scale_o = pow2_scale(amax_v / O_HEADROOM, FORMAT_MAX[E4M3]).reshape(1)
         out8, lse, _ = _kernels(q8)[0](q8, k8, v8, descale_q, descale_k, descale_v, scale_o, seq_q, seq_kv, scale,
                                       scale_s, is_causal, True, fallback)
         descale_o = 1.0 / scale_o
         poison = _poison(descale_q, descale_k, descale_v)
         ctx.save_for_backward(q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv, poison)
-        ctx.options = (recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, q.dtype)
+        ctx.options = (recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, q.dtype, delayed)
         return out8.to(q.dtype) * (descale_o + poison).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv, poison = ctx.saved_tensors
-        recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, dtype = ctx.options
-        do8, descale_do, _ = _current(grad_out, grad_dtype)
+        recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, dtype, delayed = ctx.options
+        do8, descale_do, _ = _quantize(grad_out, grad_dtype, recipe, 3, margin, delayed)
         dq, dk, dv, used, _ = _kernels(q8)[1](do8, q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o,
                                              descale_do, None, recipe, seq_q, seq_kv, scale, scale_s, margin,
                                              is_causal, fallback)
         descale = (1.0 / used + poison + _poison(descale_do)).to(dtype)
         grads = tuple(g.to(dtype) * descale[i] for i, g in enumerate((dq, dk, dv)))
-        return grads + (None,) * 9
+        return grads + (None,) * 10
 
 
 def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens_kv=None, recipe=None):
@@ -306,4 +381,5 @@ def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens
         raise TypeError(f"recipe must be a csp.fp8.Recipe or None, got {type(recipe).__name__}")
     seq_lens_q, seq_lens_kv = _lengths(q, k, seq_lens_q, seq_lens_kv)
     return _Attention.apply(q, k, v, seq_lens_q, seq_lens_kv, recipe.id, arguments.scale(scale, q.shape[3]),
-                            is_causal, recipe.scale_s, recipe.margin, recipe.grad_dtype, _fallback())
+                            is_causal, recipe.scale_s, recipe.margin, recipe.grad_dtype, _fallback(),
+                            recipe.scaling == "delayed")

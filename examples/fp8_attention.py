@@ -4,8 +4,10 @@
 
 A causal self-attention layer whose attention runs in FP8 (float8_e4m3fn) on cuDNN's FP8 graphs
 (Hopper or newer, cuDNN >= 9.14, head dim 128 for the backward on Hopper): q, k, v are quantised
-with current scaling, the gradients' scales come from the recipe's amax of the previous step
-(checked, re-run where they would saturate). Activations and gradients stay bf16 around it. A few
+with the recipe's delayed scaling (the default: one pass, scales from an amax history on the
+device; a call that would clip is redone at its own scale and counted), the gradients' scales
+come from the recipe's history too (``Recipe(scaling="current")``: this call's amax, and a
+backward checked and re-run where it would saturate). Activations and gradients stay bf16 around it. A few
 optimiser steps run beside an identical bf16 layer from the same weights; the losses and the
 output's error against fp32 attention are printed with the provider's report. On CPU the same code
 runs on the FP8 reference (reason ``no_cuda``), with the same quantisation.
@@ -65,7 +67,7 @@ def main() -> None:
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     error = ((got - ref).abs().max() / ref.abs().max()).item()
     print(f"FP8 attention vs fp32: max|out - ref| / max|ref| = {error:.4f} (FP8's rounding: a few percent)")
-    print(f"recipe re-runs: {recipe.retries}")
+    print(f"recipe re-runs: {recipe.retries}, saturated calls: {csp.stats().fp8_saturated}")
     print(csp.report())
 
 

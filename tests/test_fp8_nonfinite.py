@@ -122,7 +122,7 @@ def test_the_reference_backward_keeps_nan_nan_and_rows_without_keys_zero():
 
 
 def test_the_recipe_state_keeps_its_last_finite_amax():
-    recipe = fp8.Recipe()
+    recipe = fp8.Recipe(scaling="current")  # the state alone decides its next call
     t = _inputs(seed=3)
     fp8.attention(t["q"], t["k"], t["v"], recipe=recipe).sum().backward()
     state = recipe.state("cpu").clone()
@@ -131,10 +131,28 @@ def test_the_recipe_state_keeps_its_last_finite_amax():
     _plant(bad["k"], float("inf"))
     fp8.attention(bad["q"], bad["k"], bad["v"], recipe=recipe).sum().backward()
     assert torch.equal(recipe.state("cpu"), state), "a NaN call leaves the state (and the re-run count) alone"
-    fresh = fp8.Recipe()
+    fresh = fp8.Recipe(scaling="current")
     fresh.state("cpu").copy_(state)
     good = [_inputs(seed=5), _inputs(seed=5)]
     for inputs, r in zip(good, (recipe, fresh)):
         fp8.attention(inputs["q"], inputs["k"], inputs["v"], recipe=r).sum().backward()
     for name in "qkv":
         assert torch.equal(good[0][name].grad, good[1][name].grad)
+
+
+def test_a_delayed_recipe_s_history_stays_finite_through_a_nan_call():
+    recipe = fp8.Recipe()
+    t = _inputs(seed=3)
+    fp8.attention(t["q"], t["k"], t["v"], recipe=recipe).sum().backward()
+    bad = _inputs(seed=4)
+    _plant(bad["q"], float("nan"))
+    out = fp8.attention(bad["q"], bad["k"], bad["v"], recipe=recipe)
+    out.sum().backward()
+    assert torch.isnan(out).all() and all(torch.isnan(bad[n].grad).all() for n in "qkv")
+    history = recipe.history("cpu")
+    assert torch.isfinite(history.amax).all() and history.saturated.sum() == 0
+    assert history.amax[1, 0] == 0 and history.amax[1, 4:8].eq(0).all(), "the NaN call's row holds no amax"
+    good = _inputs(seed=5)
+    out = fp8.attention(good["q"], good["k"], good["v"], recipe=recipe)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(good[n].grad).all() for n in "qkv")

@@ -21,7 +21,8 @@ from types import MappingProxyType
 
 from .reasons import PATHS
 
-__all__ = ["Stats", "record", "stats", "reset_stats", "log_once", "note_plan", "note_build", "PLANS_KEPT"]
+__all__ = ["Stats", "record", "stats", "reset_stats", "log_once", "note_plan", "note_build", "register_drain",
+           "PLANS_KEPT"]
 
 log = logging.getLogger("cudnn_sdpa_provider")
 
@@ -32,6 +33,10 @@ _refused: dict[str, dict[str, int]] = {p: {} for p in PATHS}
 _plans: "OrderedDict[str, str]" = OrderedDict()
 _builds = {"built": 0, "rejected": 0, "build_ms": 0.0}
 _logged: set = set()
+#: Counts kept on a device (``fp8_saturated``: FP8 calls whose delayed scale would have clipped),
+#: by name: the function that moves what accrued there since its last call to the host.
+_drains: dict = {}
+_extra = {"fp8_saturated": 0}
 
 #: Configurations whose plan ``report()`` lists (the most recently built): a long generation or a
 #: dynamic-padding run must not grow the report, nor this process, without bound.
@@ -69,6 +74,28 @@ def note_build(seconds: float, rejected: bool = False) -> None:
         _builds["build_ms"] += seconds * 1e3
 
 
+def register_drain(name: str, drain) -> None:
+    """``drain(discard: bool) -> int`` moves the count ``name`` accrued on the devices to the
+    host; ``stats()`` calls it (a host-device sync where there is something to read), so the
+    calls that count never wait for the device."""
+    with _lock:
+        _drains[name] = drain
+
+
+def _drain(discard: bool = False) -> None:
+    with _lock:
+        found = list(_drains.items())
+    for name, drain in found:
+        try:
+            n = drain(discard)
+        except Exception as error:  # a device that cannot be read now (shutting down): its count waits
+            log_once(("drain", name), logging.WARNING, "cudnn_sdpa_provider: could not read %s: %s", name, error)
+            continue
+        if n and not discard:
+            with _lock:
+                _extra[name] = _extra.get(name, 0) + n
+
+
 def log_once(key, level: int, message: str, *args) -> None:
     """Log ``message`` the first time ``key`` is seen (one line per distinct configuration)."""
     with _lock:
@@ -88,6 +115,10 @@ class Stats:
     refused: MappingProxyType = field(default_factory=lambda: MappingProxyType({p: MappingProxyType({}) for p in PATHS}))
     builds: MappingProxyType = field(default_factory=lambda: MappingProxyType({"built": 0, "rejected": 0,
                                                                                 "build_ms": 0.0}))
+    #: FP8 calls (a delayed-scaling quantisation of q, k, v or dO, or a delayed-scaling backward)
+    #: whose scale, chosen from the amax history, would have clipped (docs/fp8.md says what each
+    #: recipe then does); not part of ``to_dict()``, whose keys are the paths.
+    fp8_saturated: int = 0
 
     def to_dict(self) -> dict:
         return {p: {"served": int(self.served[p]), "fallback": dict(self.fallback[p])} for p in PATHS}
@@ -109,7 +140,8 @@ class Stats:
         served = {p: self.served[p] - earlier.served[p] for p in PATHS}
         builds = {k: self.builds[k] - earlier.builds[k] for k in self.builds}
         return Stats(MappingProxyType(served), _delta(self.fallback, earlier.fallback), self.plans,
-                     _delta(self.refused, earlier.refused), MappingProxyType(builds))
+                     _delta(self.refused, earlier.refused), MappingProxyType(builds),
+                     self.fp8_saturated - earlier.fp8_saturated)
 
     __sub__ = diff
 
@@ -142,18 +174,22 @@ def _delta(mine_all, theirs_all) -> MappingProxyType:
 
 def stats() -> Stats:
     """A snapshot of the counters since the process started (or the last ``reset_stats()``)."""
+    _drain()
     with _lock:
         served = MappingProxyType(dict(_served))
         fallback = MappingProxyType({p: MappingProxyType(dict(_fallback[p])) for p in PATHS})
         refused = MappingProxyType({p: MappingProxyType(dict(_refused[p])) for p in PATHS})
         plans = MappingProxyType(dict(_plans))
         builds = MappingProxyType(dict(_builds))
-    return Stats(served, fallback, plans, refused, builds)
+        saturated = _extra["fp8_saturated"]
+    return Stats(served, fallback, plans, refused, builds, saturated)
 
 
 def reset_stats() -> None:
     """Zero every counter (the plan list, the build counts and the log-once memory are kept)."""
+    _drain(discard=True)
     with _lock:
+        _extra["fp8_saturated"] = 0
         for p in PATHS:
             _served[p] = 0
             _fallback[p] = {}
@@ -170,6 +206,9 @@ def format_table(s: Stats) -> str:
         lines.append("")
         lines.append(f"cuDNN graphs built: {b['built']} ({b['build_ms']:.0f} ms of host time)"
                      + (f", rejected by cuDNN: {b['rejected']}" if b["rejected"] else ""))
+    if s.fp8_saturated:
+        lines.append("")
+        lines.append(f"FP8 calls whose delayed scale would have clipped: {s.fp8_saturated} (docs/fp8.md)")
     if s.plans:
         lines.append("")
         lines.append(f"cuDNN plans (the {PLANS_KEPT} configurations built last):" if len(s.plans) >= PLANS_KEPT

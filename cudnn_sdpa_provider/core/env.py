@@ -24,6 +24,12 @@ Variable                                              Meaning
                                                       sweeps passed, ``folded.VERIFIED``); ``1``
                                                       always the bucket's; ``0`` an exact graph
                                                       per length.
+``CUDNN_SDPA_PROVIDER_FP8_QUANT``                     ``auto`` (default): FP8 quantisation of
+                                                      bf16/fp16/fp32 tensors in Triton kernels on
+                                                      CUDA where triton imports, else in aten
+                                                      ops; ``triton``, ``compiled``
+                                                      (torch.compile) or ``torch`` force one
+                                                      (``ops.fp8_quant``).
 ====================================================  ==========================================
 """
 
@@ -41,6 +47,7 @@ __all__ = [
     "DETERMINISTIC_WORKSPACE_MB",
     "AUTOTUNE",
     "SHAPE_BUCKETS",
+    "FP8_QUANT",
     "VARIABLES",
     "Parsed",
     "parse_activation",
@@ -55,6 +62,8 @@ __all__ = [
     "autotune",
     "parse_shape_buckets",
     "shape_buckets",
+    "parse_fp8_quant",
+    "fp8_quant",
     "invalid",
     "warn_invalid",
 ]
@@ -66,8 +75,10 @@ CACHE_SIZE = "CUDNN_SDPA_PROVIDER_CACHE_SIZE"
 DETERMINISTIC_WORKSPACE_MB = "CUDNN_SDPA_PROVIDER_DETERMINISTIC_WORKSPACE_MB"
 AUTOTUNE = "CUDNN_SDPA_PROVIDER_AUTOTUNE"
 SHAPE_BUCKETS = "CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS"
+FP8_QUANT = "CUDNN_SDPA_PROVIDER_FP8_QUANT"
 #: Every variable, in the order of docs/ways-in.md's table (tests/test_docs.py checks that table against it).
-VARIABLES = (ACTIVATION, REPORT, LOG, CACHE_SIZE, DETERMINISTIC_WORKSPACE_MB, AUTOTUNE, SHAPE_BUCKETS)
+VARIABLES = (ACTIVATION, REPORT, LOG, CACHE_SIZE, DETERMINISTIC_WORKSPACE_MB, AUTOTUNE, SHAPE_BUCKETS, FP8_QUANT)
+_FP8_QUANT = ("auto", "triton", "compiled", "torch")
 
 _ON = ("1", "on", "true", "yes")
 _OFF = ("", "0", "off", "false", "no")
@@ -192,6 +203,19 @@ def shape_buckets() -> str:
     return _read(parse_shape_buckets(os.environ.get(SHAPE_BUCKETS)))  # type: ignore[return-value]
 
 
+def parse_fp8_quant(raw: str | None) -> Parsed:
+    """``"auto"`` (default, also empty), ``"triton"``, ``"compiled"`` or ``"torch"``; anything
+    else is auto, with a warning naming the valid values."""
+    text = (raw or "").strip().lower()
+    if text in ("",) + _FP8_QUANT:
+        return Parsed(text or "auto", None)
+    return Parsed("auto", f"{FP8_QUANT}={raw!r} is not a valid value; use one of {list(_FP8_QUANT)}. Using auto.")
+
+
+def fp8_quant() -> str:
+    return _read(parse_fp8_quant(os.environ.get(FP8_QUANT)))  # type: ignore[return-value]
+
+
 def invalid(environ) -> list[str]:
     """The warnings for the invalid values in ``environ`` (a mapping), one per variable, in
     ``VARIABLES`` order (the report path takes any path: it is checked when written)."""
@@ -202,6 +226,7 @@ def invalid(environ) -> list[str]:
         _parse_workspace(environ.get(DETERMINISTIC_WORKSPACE_MB)),
         parse_flag(AUTOTUNE, environ.get(AUTOTUNE)),
         parse_shape_buckets(environ.get(SHAPE_BUCKETS)),
+        parse_fp8_quant(environ.get(FP8_QUANT)),
     ]
     return [p.warning for p in parsed if p.warning]
 

@@ -17,6 +17,13 @@ amax back into the state (scales are powers of 2). No saturated gradient is ever
 still off after the last attempt raises. Without a recipe the given ``scales`` are used once. The
 state is the kernel's own side effect, like the counters, not an argument the op mutates: several
 backwards of one compiled graph may update it, which torch.compile cannot express for an input.
+
+A recipe with ``scaling="delayed"`` keeps an amax history (``Recipe.history``, ``fp8_quant.History``):
+``fp8_quantize`` (q, k, v, dO, slots 0-3) quantises from it and updates it on the device, and
+``fp8_bwd``, after the recipe's first backward on a device (the adaptive one above, which starts
+the history), takes its scales from it (slots 4-7: amax per unit of the operands' descales,
+``_predicted``), runs once and records this call's amax, with no host sync; a call whose scale
+clipped is counted, not re-run.
 """
 
 from __future__ import annotations
@@ -30,16 +37,20 @@ import torch
 from torch import Tensor
 
 from ..engine import fp8_cudnn
-from . import fp8_reference, dense_varlen as ops, route
+from . import fp8_quant, fp8_reference, dense_varlen as ops, route
 from ..core import layout, scope, support
 from ..engine.binding import tensor_key
 
-__all__ = ["fp8_fwd", "fp8_bwd", "problem", "kernels", "register", "ATTEMPTS", "E4M3_MAX"]
+__all__ = ["fp8_fwd", "fp8_bwd", "fp8_quantize", "quantize", "problem", "kernels", "register", "ATTEMPTS", "E4M3_MAX",
+           "GRAD_SLOTS"]
 
 E4M3_MAX = fp8_reference.FORMAT_MAX[torch.float8_e4m3fn]
 ATTEMPTS = 4
 UNDER = 16.0  # a recipe's scale this much smaller than this call's amax allows is re-run too
 _ON_CPU = route.fixed("no_cuda", "inputs are on the CPU")
+#: A delayed recipe's history slots: q, k, v, dO (0-3, ``fp8_quantize``), dQ, dK, dV, dS (4-7, ``fp8_bwd``).
+SLOTS = 8
+GRAD_SLOTS = (4, 8)
 #: The recipes by id, held strongly so that a recipe only a pending backward needs (one created
 #: inline in the call) is still there when the backward runs; the ``KEEP`` most recently used stay.
 _RECIPES: "OrderedDict[int, object]" = OrderedDict()
@@ -48,27 +59,33 @@ _IDS = itertools.count(1)
 KEEP = 4096
 
 
-def register(recipe) -> int:
-    """An id for ``recipe`` (anything with ``state(device) -> (5,) fp32 tensor``)."""
+_PINNED: dict = {}  # recipes never dropped (the one ``attention`` uses when given none)
+
+
+def register(recipe, pinned: bool = False) -> int:
+    """An id for ``recipe`` (a ``csp.fp8.Recipe``: ``state``, ``history``, ``warm``, ``scaling``)."""
     with _RECIPES_LOCK:
         rid = next(_IDS)
+        if pinned:
+            _PINNED[rid] = recipe
+            return rid
         _RECIPES[rid] = recipe
         while len(_RECIPES) > KEEP:
             _RECIPES.popitem(last=False)
     return rid
 
 
-def _state(recipe: int, device) -> Optional[Tensor]:
+def _holder(recipe: int):
     if not recipe:
         return None
     with _RECIPES_LOCK:
-        holder = _RECIPES.get(recipe)
-        if holder is not None:
+        holder = _RECIPES.get(recipe) or _PINNED.get(recipe)
+        if recipe in _RECIPES:
             _RECIPES.move_to_end(recipe)
     if holder is None:
-        raise RuntimeError(f"cudnn_sdpa::fp8_bwd: recipe {recipe} was dropped ({KEEP} recipes used since; reuse one "
+        raise RuntimeError(f"cudnn_sdpa::fp8: recipe {recipe} was dropped ({KEEP} recipes used since; reuse one "
                            "csp.fp8.Recipe per model or layer rather than one per call)")
-    return holder.state(device)
+    return holder
 
 
 def problem(q, k, v, padded: bool, backward: bool, grad_dtype=None) -> support.Problem:
@@ -145,9 +162,42 @@ def _scales_from(amax: Tensor, margin: float) -> Tensor:
     return fp8_reference.pow2_scale(amax.float() * margin, E4M3_MAX)
 
 
+def _per_unit(descales) -> Tensor:
+    """(4,) fp64: what dQ, dK, dV, dS scale with, from this call's descales (q, k, v, o, dO): the
+    gradients are linear in dO, dS in dO x V, dQ in dO x V x K, dK in dO x V x Q (P is bounded)."""
+    q, k, v, _, do = (d.reshape(()).double() for d in descales)
+    return torch.stack([do * v * k, do * v * q, do, do * v])
+
+
+def _predicted(history, unit: Tensor) -> Tensor:
+    """dQ, dK, dV, dS amax expected now: the largest recorded amax per unit (``_record``) times
+    this call's unit, so a jump in dO, q, k or v that their own scales saw moves the gradients'
+    scales with it before the backward runs (no host sync)."""
+    return (history.amax[:, GRAD_SLOTS[0]:GRAD_SLOTS[1]].amax(0).double() * unit).clamp(max=3e38).float()
+
+
+def _record(history, amax: Tensor, unit: Tensor, finite: Tensor, saturated: Tensor, flushed=None) -> None:
+    """This backward's dQ, dK, dV, dS amax per unit of its operands' descales (0 where not finite)
+    into the next row of the history's gradient slots; one saturated call counted (``saturated[4]``
+    and ``stats()``) if any scale clipped, one in ``saturated[5]`` if any was more than ``UNDER``
+    times too small (small values flushed to 0): on the device."""
+    rows, slots = history.amax.shape
+    row = history.row[GRAD_SLOTS[0]].long()
+    where = row * slots + torch.arange(GRAD_SLOTS[0], GRAD_SLOTS[1], device=amax.device)
+    value = (amax.double() / unit).clamp(max=3e38).float()
+    history.amax.view(-1).index_copy_(0, where, torch.where(finite & torch.isfinite(value), value, 0.0))
+    history.row[GRAD_SLOTS[0]:GRAD_SLOTS[1]].add_(1).remainder_(rows)
+    history.saturated[GRAD_SLOTS[0]:GRAD_SLOTS[0] + 1].add_(saturated.to(torch.int32))
+    if flushed is not None:
+        history.saturated[GRAD_SLOTS[0] + 1:GRAD_SLOTS[0] + 2].add_(flushed.to(torch.int32))
+    fp8_quant.saturation_counter(amax.device).add_(saturated.to(torch.int32))
+
+
 def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q, seq_len_kv, scale, scale_s, margin,
          is_causal, fallback):
-    state = _state(recipe, q.device)
+    holder = _holder(recipe)
+    state = holder.state(q.device) if holder is not None else None
+    delayed = holder is not None and holder.scaling == "delayed"
 
     def once(use):
         if found is not _ON_CPU and found.first is None:
@@ -162,6 +212,17 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
         # scale can fix that, so no re-run, and its amax (NaN, or whatever a kernel's max made of
         # NaN) must not become the recipe's state for the next calls (issue #29)
         finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
+        if delayed and holder.warm(q.device):  # scales from the history; checked on the device only
+            history, unit = holder.history(q.device), _per_unit(descales)
+            use = _scales_from(_predicted(history, unit), margin)
+            dq, dk, dv, amax = once(use)
+            ok = finite & torch.isfinite(amax)
+            over = amax * use / E4M3_MAX
+            # a clipped dS makes dQ and dK (and their amax) smaller by up to its overshoot: record them as if not
+            seen = amax * torch.cat([over[3:].clamp(min=1.0).expand(2), over.new_ones(2)])
+            flushed = ok & (amax > 0) & (over * margin * UNDER < 1)  # as the current recipe's re-run test
+            _record(history, seen, unit, ok, (ok & (over > 1)).any(), flushed.any())
+            return dq, dk, dv, use, amax
         for attempt in range(ATTEMPTS if state is not None else 1):
             dq, dk, dv, amax = once(use)
             if state is None:
@@ -172,6 +233,12 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
             if not bool(bad.any()):  # the one host-device sync of a recipe's backward
                 state[:4].copy_(torch.where(finite & torch.isfinite(amax), amax, state[:4]))
                 state[4].add_(attempt)
+                if delayed:  # the first backward of a delayed recipe: its history starts here
+                    ok = finite & torch.isfinite(amax)
+                    _record(holder.history(q.device), amax, _per_unit(descales), ok,
+                            torch.zeros((), dtype=torch.bool, device=q.device))
+                    if bool(ok.all()):
+                        holder.warm(q.device, True)
                 return dq, dk, dv, use, amax
             use = torch.where(bad, _scales_from(amax, margin), use)
         raise RuntimeError(f"cudnn_sdpa::fp8_bwd: FP8 gradient scales still off (saturating or underflowing) after {ATTEMPTS} runs "
@@ -225,6 +292,34 @@ def _fp8_bwd_fake(grad_out, q, k, v, out, lse, descale_q, descale_k, descale_v, 
                   seq_len_q, seq_len_kv, scale, scale_s, margin, is_causal, fallback):
     grads = tuple(layout.grad_like(t) for t in (q, k, v))  # q, k, v are float8_e4m3fn
     return grads + (q.new_empty((4,), dtype=torch.float32), q.new_empty((4,), dtype=torch.float32))
+
+
+def _quantize(x: Tensor, dtype: torch.dtype, recipe: int, slot: int, margin: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(x in FP8 ``dtype``, descale (1,) fp32, amax () fp32): current scaling at ``margin`` without a
+    recipe (0), else the recipe's delayed scaling from its history ``slot`` (``fp8_quant``), whose
+    update is this kernel's side effect, as ``fp8_bwd``'s state is."""
+    if not recipe:
+        return fp8_quant.current(x, dtype, margin=margin)
+    return fp8_quant.delayed(x, dtype, _holder(recipe).history(x.device), slot, margin=margin)
+
+
+fp8_quantize = torch.library.custom_op("cudnn_sdpa::fp8_quantize", _quantize, mutates_args=(),
+                                       device_types=("cuda", "cpu"))
+
+
+@fp8_quantize.register_fake
+def _quantize_fake(x, dtype, recipe, slot, margin):
+    out = torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=x.device) if fp8_quant.dense(x) else \
+        torch.empty(x.shape, dtype=dtype, device=x.device)
+    return out, x.new_empty((1,), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+
+
+def quantize(x: Tensor, dtype: torch.dtype, recipe: int = 0, slot: int = 0, margin: float = 1.0):
+    """``fp8_quantize`` called directly on plain eager tensors (no dispatcher round trip), else
+    through the op (compiling, tracing, fake tensors)."""
+    if ops.eager(x):
+        return _quantize(x.detach(), dtype, recipe, slot, margin)
+    return torch.ops.cudnn_sdpa.fp8_quantize(x, dtype, recipe, slot, margin)
 
 
 _KERNELS = {"fwd": {"cuda": _fp8_fwd_cuda, "cpu": _fp8_fwd_cpu}, "bwd": {"cuda": _fp8_bwd_cuda, "cpu": _fp8_bwd_cpu}}

@@ -1,0 +1,247 @@
+"""Per-tensor FP8 quantisation of bf16/fp16/fp32 tensors: (stored FP8, descale (1,) fp32, amax () fp32).
+
+Two scalings, one definition each, implemented three ways that agree bit for bit:
+
+* ``current(x, dtype, margin)``: scale = the largest power of 2 at most top / (margin x max |x|)
+  (top: the format's largest value, 448 for e4m3fn), 1 for an all-zero ``x``, NaN when ``x`` holds
+  an inf or NaN (then every stored value and the descale are NaN: no per-tensor scale exists).
+* ``delayed(x, dtype, history, slot, margin)``: the scale comes from the history before the data is
+  read: the largest power of 2 at most top / (margin x the largest amax in ``history.amax[:, slot]``),
+  so one pass reads ``x`` once, casts it and takes its amax. It is kept unless it was unusable, and
+  then this call gets ``current``'s result at margin 1 instead (decided and redone on the device,
+  no host sync): the history holds no amax yet (a first call), ``x`` is not finite, the scale
+  would clip (amax x scale > top: *saturated*, counted in ``history.saturated[slot]`` and in
+  ``csp.stats().fp8_saturated``), or it is more than ``UNDER`` times below the current scale
+  (small values would flush to 0). Then this call's amax (0 if not finite) is written into the
+  history's next row of ``slot`` (a ring of ``len(history.amax)`` rows). Stored values are never
+  clipped: a kept scale has amax x scale <= top.
+
+The scale is built from exponent bits (no log2, no division), so every implementation gets the
+same power of 2; x x scale is exact and the cast rounds to nearest even, as ``Tensor.to`` does.
+
+Implementations (``CUDNN_SDPA_PROVIDER_FP8_QUANT``, ``core.env``): ``triton`` (``fp8_quant_triton``,
+CUDA tensors, imported only when used and only if ``triton`` imports: current is two passes
+over ``x``, amax then cast; delayed one pass plus a launch that returns at once unless the call
+needs redoing), ``compiled`` (the torch code under ``torch.compile``), ``torch`` (plain aten ops:
+CPU, and the fallback everywhere). ``auto`` (default) is ``triton`` on CUDA where triton imports,
+else ``torch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..core import counters, env
+from .fp8_reference import FORMAT_MAX
+
+__all__ = ["IMPLS", "UNDER", "History", "current", "delayed", "choose", "dense", "triton_available",
+           "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS"]
+
+IMPLS = ("auto", "triton", "compiled", "torch")
+#: A delayed scale this many times below the current one is redone (values would flush to 0).
+UNDER = 16.0
+_TINY = 1e-30  # amax x margin below this is taken as this (the scale stays a normal fp32 number)
+
+
+@dataclass(frozen=True)
+class History:
+    """A recipe's delayed-scaling state on one device: ``amax`` (rows, slots) fp32, the last
+    ``rows`` amax values of each slot (0: none); ``row`` (slots,) int32, each slot's next row;
+    ``saturated`` (slots,) int32, the calls whose delayed scale would have clipped."""
+
+    amax: torch.Tensor
+    row: torch.Tensor
+    saturated: torch.Tensor
+
+    @staticmethod
+    def zeros(rows: int, slots: int, device) -> "History":
+        return History(torch.zeros(rows, slots, dtype=torch.float32, device=device),
+                       torch.zeros(slots, dtype=torch.int32, device=device),
+                       torch.zeros(slots, dtype=torch.int32, device=device))
+
+
+# ------------------------------------------------------------------- saturation count for stats()
+_GLOBAL: dict = {}  # device -> (1,) int32: saturated calls not yet drained into counters
+_GLOBAL_LOCK = threading.Lock()
+
+
+def saturation_counter(device) -> torch.Tensor:
+    """This device's (1,) int32 count of saturated calls not yet drained into ``counters``."""
+    with _GLOBAL_LOCK:
+        found = _GLOBAL.get(device)
+        if found is None:
+            found = _GLOBAL[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return found
+
+
+def saturated_total(discard: bool = False) -> int:
+    """Saturated calls counted on the devices since the last drain, moved to the host (a sync per
+    device that has any counter; skipped while a CUDA graph is being captured). ``counters``
+    calls this from ``stats()`` and ``reset_stats()``."""
+    with _GLOBAL_LOCK:
+        found = list(_GLOBAL.values())
+    total = 0
+    for t in found:
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            continue
+        n = int(t.item())
+        if n:
+            t.sub_(n)  # the increments still in flight are kept; only what was read is taken
+            total += n
+    return total
+
+
+counters.register_drain("fp8_saturated", saturated_total)
+
+
+# ---------------------------------------------------------------------------- the definition
+def _bits(value: float) -> tuple[int, int]:
+    """(biased exponent, mantissa) of ``value`` as fp32."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return (bits >> 23) & 0xFF, bits & 0x7FFFFF
+
+
+#: The biased fp32 exponent and the mantissa bits of each format's largest value.
+TOP_BITS = {dtype: _bits(top) for dtype, top in FORMAT_MAX.items()}
+
+
+def pow2_below(b: torch.Tensor, dtype) -> torch.Tensor:
+    """The largest power of 2 at most top / ``b`` (fp32 ``b`` >= 1e-30, finite), exactly: from the
+    exponent and mantissa bits of ``b`` and top, so no rounding of log2 or of a division moves it."""
+    top_exp, top_mant = TOP_BITS[dtype]
+    bits = b.float().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    over = ((bits & 0x7FFFFF) > top_mant).to(torch.int32)
+    return ((top_exp - exp + 127 - over) << 23).view(torch.float32)
+
+
+def _current_scale(amax: torch.Tensor, dtype, margin: float) -> torch.Tensor:
+    scale = pow2_below((amax * margin).clamp(min=_TINY), dtype)
+    return torch.where(amax > 0, scale, 1.0).where(torch.isfinite(amax), float("nan"))
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    if not x.numel():
+        return x.new_zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(x, float("inf")).float()  # NaN if any NaN, inf if any inf
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a span of its storage exactly (a permutation of a contiguous
+    layout). The stored result has the strides of a dense ``x``; any other ``x`` is made contiguous
+    first (every implementation, and the op's fake kernel, agree on that)."""
+    expect = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    work = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()  # a power of 2 is exact in bf16
+    stored = (work * scale.to(work.dtype)).to(dtype)
+    if stored.stride() != x.stride():  # size-1 dims: keep x's strides exactly, as the other paths do
+        stored = torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=x.device).copy_(stored)
+    return stored
+
+
+def _current_torch(x, dtype, margin):
+    amax = _amax(x)
+    scale = _current_scale(amax, dtype, margin)
+    return _cast(x, scale, dtype), (1.0 / scale).reshape(1), amax
+
+
+def _delayed_torch(x, dtype, hist_amax, hist_row, hist_sat, total, slot: int, margin: float):
+    rows = hist_amax.shape[0]
+    top = FORMAT_MAX[dtype]
+    hmax = hist_amax[:, slot].amax()
+    fresh = hmax == 0
+    delayed = torch.where(fresh, 1.0, pow2_below((hmax * margin).clamp(min=_TINY), dtype))
+    amax = _amax(x)
+    now = _current_scale(amax, dtype, 1.0)
+    finite = torch.isfinite(amax)
+    saturated = ~fresh & finite & (amax * delayed > top)
+    under = ~fresh & finite & (amax > 0) & (delayed * UNDER < now)
+    scale = torch.where(fresh | ~finite | saturated | under, now, delayed)
+    stored = _cast(x, scale, dtype)
+    row = hist_row[slot].long()
+    hist_amax.view(-1).index_copy_(0, (row * hist_amax.shape[1] + slot).view(1),
+                                   torch.where(finite, amax, 0.0).view(1))
+    hist_row[slot:slot + 1].add_(1).remainder_(rows)
+    hist_sat[slot:slot + 1].add_(saturated.to(torch.int32))
+    total.add_(saturated.to(torch.int32))
+    return stored, (1.0 / scale).reshape(1), amax
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str):
+    fn = {"current": _current_torch, "delayed": _delayed_torch}[name]
+    return torch.compile(fn, dynamic=True)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether ``triton`` imports here (it ships with torch's CUDA builds, not with its CPU ones)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # an ImportError, or a broken install: the torch path serves
+        return False
+    return True
+
+
+def choose(impl: str, x: torch.Tensor) -> str:
+    """The implementation that runs for ``impl`` (one of ``IMPLS``) on ``x``: ``triton`` and
+    ``compiled`` need a CUDA tensor and triton; otherwise (and for ``auto`` without them) ``torch``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    fast = x.device.type == "cuda" and triton_available()
+    if impl == "auto":
+        return "triton" if fast else "torch"
+    return impl if fast else "torch"
+
+
+def _check(x, dtype, margin):
+    if dtype not in FORMAT_MAX:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if not (margin >= 1.0):
+        raise ValueError(f"margin must be >= 1, got {margin!r}")
+
+
+def current(x: torch.Tensor, dtype=torch.float8_e4m3fn, *, margin: float = 1.0, impl: str | None = None):
+    """(stored ``dtype``, descale (1,) fp32, amax () fp32) of ``x`` with current scaling (module doc).
+    ``impl``: one of ``IMPLS``; None reads ``CUDNN_SDPA_PROVIDER_FP8_QUANT``."""
+    _check(x, dtype, margin)
+    x = x.detach()
+    if not dense(x):
+        x = x.contiguous()
+    which = choose(impl or env.fp8_quant(), x)
+    if which == "triton":
+        from . import fp8_quant_triton
+
+        return fp8_quant_triton.current(x, dtype, margin)
+    if which == "compiled":
+        return _compiled("current")(x, dtype, margin)
+    return _current_torch(x, dtype, margin)
+
+
+def delayed(x: torch.Tensor, dtype, history: History, slot: int, *, margin: float = 1.0, impl: str | None = None):
+    """(stored, descale (1,), amax ()) of ``x`` with delayed scaling from ``history``'s ``slot``,
+    which it updates on the device (module doc); no host sync."""
+    _check(x, dtype, margin)
+    x = x.detach()
+    if not dense(x):
+        x = x.contiguous()
+    total = saturation_counter(x.device)
+    which = choose(impl or env.fp8_quant(), x)
+    if which == "triton":
+        from . import fp8_quant_triton
+
+        return fp8_quant_triton.delayed(x, dtype, history, slot, margin, total, UNDER)
+    fn = _compiled("delayed") if which == "compiled" else _delayed_torch
+    return fn(x, dtype, history.amax, history.row, history.saturated, total, slot, margin)

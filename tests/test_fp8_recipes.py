@@ -1,0 +1,508 @@
+"""CPU tier: FP8 quantisation (``ops.fp8_quant``) and the two recipes of ``csp.fp8.Recipe`` (issue #30).
+
+What is tested: the scale's definition (an exact power of 2 from exponent bits); delayed scaling's
+history (the scale follows the largest of the last N amax values, a first call is current
+scaling, a jump in amax is redone at the current scale and counted exactly once per saturated
+call, in ``Recipe.saturated`` and ``csp.stats().fp8_saturated``, ``reset_stats`` / ``Recipe.reset``);
+the delayed backward (no re-run after its first call, its history, a clipping call counted);
+``Recipe`` validation; accuracy of ``csp.fp8.attention`` under both recipes against float64
+F.sdpa over several calls; the Triton kernels' bits against the torch path (under
+``TRITON_INTERPRET=1``, skipped without triton) and the torch.compile'd path's; the
+``cudnn_sdpa::fp8_quantize`` op under opcheck and torch.compile; the environment variable; the
+bench script's arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cudnn_sdpa_provider as csp
+from cudnn_sdpa_provider.core import counters, env
+from cudnn_sdpa_provider.ops import fp8_ops, fp8_quant
+from tests.test_fp8 import (ATTN_FWD_TOL, ATTN_GRAD_TOL, attn_inputs, run_attention, sdpa64_grads)
+from tests.util import opcheck, rel_error
+
+fp8 = csp.fp8
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TOP = {E4M3: 448.0, E5M2: 57344.0}
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def pow2_at_most(x: float) -> float:
+    return 2.0 ** math.floor(math.log2(x))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """FP8 tensors equal byte for byte where finite, NaN at the same places (NaN's sign may differ)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
+    assert torch.equal(na, nb), f"{what}: NaN at different places ({int(na.sum())} vs {int(nb.sum())})"
+    differ = (a.view(torch.uint8) != b.view(torch.uint8)) & ~na
+    assert not differ.any(), f"{what}: {int(differ.sum())} bytes differ, e.g. {a.float()[differ][:4].tolist()} vs " \
+                             f"{b.float()[differ][:4].tolist()}"
+
+
+def same_value(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert torch.equal(a, b) or (torch.isnan(a).all() and torch.isnan(b).all()), f"{what}: {a} vs {b}"
+
+
+def hard_inputs(seed: int, dtype: torch.dtype, fmt=E4M3):
+    """Tensors that reach the cast's edges: random magnitudes, values at and near the format's top
+    after scaling, e4m3/e5m2 subnormals after scaling, zeros and signed zeros, and one with each
+    of +inf, -inf and NaN; transposed and sliced layouts."""
+    g = gen(seed)
+    out = []
+    for exp in (-7, 0, 3):
+        x = torch.randn(3, 4, 50, 16, generator=g) * 10.0 ** exp
+        x[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-30])
+        amax = x.abs().max()
+        x[0, 1, 0, :4] = torch.tensor([1.0, -1.0, 0.999, 0.5]) * amax  # the top after scaling
+        x[0, 2, 0, :8] = amax * torch.tensor([2.0**-12, 2.0**-13, 3 * 2.0**-14, 2.0**-17, 2.0**-20, -2.0**-15,
+                                               2.0**-16, 5 * 2.0**-18])  # below e4m3's smallest normal
+        out.append(x)
+    out.append(out[1].transpose(1, 2))
+    out.append(out[1][..., ::3])
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = out[1].clone()
+        x[2, 3, 7, 5] = bad
+        out.append(x)
+    if dtype == torch.float16:  # keep within fp16's range
+        out = [x / x[torch.isfinite(x)].abs().max() * 1000 for x in out]
+    return [x.to(dtype) for x in out]
+
+
+# ---------------------------------------------------------------------------------- definition
+
+
+def test_pow2_below_is_the_largest_power_of_2_at_most_top_over_b():
+    b = torch.cat([torch.rand(2000, generator=gen(1)) * 10.0 ** torch.randint(-20, 20, (2000,), generator=gen(2)),
+                   torch.tensor([448.0, 224.0, 1.75, 1.7500001, 1.7499999, 1e-30, 3e38])])
+    for dtype in (E4M3, E5M2):
+        got = fp8_quant.pow2_below(b, dtype).double()
+        ratio = TOP[dtype] / b.double()
+        assert torch.all(got <= ratio) and torch.all(2 * got > ratio), dtype
+        assert torch.all(torch.frexp(got).mantissa == 0.5), "a power of 2"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_current_scaling_is_the_power_of_2_that_fills_the_range(dtype, fmt):
+    for x in hard_inputs(3, dtype, fmt)[:5]:
+        stored, descale, amax = fp8_quant.current(x, fmt, impl="torch")
+        assert amax.item() == x.float().abs().max().item()
+        scale = 1 / descale.item()
+        assert scale == pow2_at_most(TOP[fmt] / amax.item())
+        assert torch.equal(stored.view(torch.uint8), (x.float() * scale).to(fmt).view(torch.uint8))
+        assert stored.stride() == x.stride() or not fp8_quant.dense(x)
+
+
+def _history(rows=4):
+    return fp8_quant.History.zeros(rows, 8, "cpu")
+
+
+def _delayed(x, h, slot=0, margin=2.0, dtype=E4M3):
+    return fp8_quant.delayed(x, dtype, h, slot, margin=margin, impl="torch")
+
+
+def test_delayed_first_call_is_current_scaling_and_starts_the_history():
+    x = torch.randn(4, 64, generator=gen(4)) * 3
+    h = _history()
+    stored, descale, amax = _delayed(x, h, slot=2)
+    want = fp8_quant.current(x, impl="torch")
+    same_bits(stored, want[0])
+    assert torch.equal(descale, want[1]) and torch.equal(amax, want[2])
+    assert h.amax[0, 2] == amax and h.row.tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert h.saturated.sum() == 0 and torch.all(h.amax[:, [0, 1, 3]] == 0), "one slot only"
+
+
+def test_delayed_scale_follows_the_largest_of_the_last_n_amax_values():
+    """History of 4 rows, margin 2: the scale is pow2(448 / (2 x max of the last 4 amax values)),
+    except on the first call (current: 256) and on the jump to 8 (saturated: redone, current 32)."""
+    rows = 4
+    h = _history(rows)
+    g = gen(5)
+    mags = [1.0, 8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.9]
+    want = [256.0, 32.0, 16.0, 16.0, 16.0, 16.0, 128.0, 128.0]  # the 8 leaves the window at call 6
+    for i, mag in enumerate(mags):
+        x = torch.randn(256, generator=g)
+        x = x / x.abs().max() * mag
+        stored, descale, amax = _delayed(x, h, margin=2.0)
+        assert amax.item() == torch.tensor(mag).item()
+        assert 1 / descale.item() == want[i], f"call {i}"
+        assert torch.equal(stored.view(torch.uint8), (x * want[i]).to(E4M3).view(torch.uint8))
+        assert h.saturated[0].item() == (0 if i < 1 else 1), "the jump to 8 counts once"
+    assert sorted(h.amax[:, 0].tolist()) == sorted(torch.tensor(mags[-rows:]).tolist()), "a ring of the last 4"
+    assert h.row[0].item() == len(mags) % rows
+
+
+def test_a_jump_in_amax_is_redone_at_the_current_scale_and_counted_once_per_saturated_call():
+    csp.reset_stats()
+    h = _history(8)
+    x = torch.randn(512, generator=gen(6))
+    _delayed(x, h)
+    before = csp.stats()
+    for step in range(3):
+        big = x * (20.0 * 4**step)  # above what the history's scale (margin 2) can hold
+        stored, descale, amax = _delayed(big, h)
+        want = fp8_quant.current(big, impl="torch")
+        same_bits(stored, want[0], f"step {step}: redone at the current scale, not clipped")
+        assert torch.equal(descale, want[1])
+        assert h.saturated[0].item() == step + 1
+        assert (csp.stats() - before).fp8_saturated == step + 1
+    stored, descale, _ = _delayed(x * 200, h)  # within the history now (its largest: 320 x): kept, not counted
+    assert h.saturated[0].item() == 3 and 1 / descale.item() == pow2_at_most(TOP[E4M3] / (h.amax[:, 0].max() * 2))
+    assert csp.stats().fp8_saturated >= 3
+    csp.reset_stats()
+    assert csp.stats().fp8_saturated == 0 and h.saturated[0].item() == 3, "reset_stats zeroes the stats only"
+
+
+def test_an_amax_that_drops_far_below_the_history_is_redone_not_flushed():
+    h = _history()
+    x = torch.randn(512, generator=gen(7))
+    _delayed(x, h)
+    tiny = x * 1e-4
+    stored, descale, _ = _delayed(tiny, h)
+    same_bits(stored, fp8_quant.current(tiny, impl="torch")[0])
+    assert h.saturated.sum() == 0, "a scale too small is redone, but it is not a saturation"
+
+
+def test_a_non_finite_tensor_gives_nan_and_leaves_the_history_finite():
+    h = _history()
+    x = torch.randn(64, generator=gen(8))
+    _delayed(x, h)
+    bad = x.clone()
+    bad[3] = float("nan")
+    stored, descale, amax = _delayed(bad, h)
+    assert torch.isnan(descale).all() and torch.isnan(stored.float()).all() and torch.isnan(amax)
+    assert torch.isfinite(h.amax).all() and h.amax[1, 0] == 0 and h.saturated.sum() == 0
+    stored, descale, _ = _delayed(x, h)
+    assert 1 / descale.item() == pow2_at_most(TOP[E4M3] / (x.abs().max() * 2)), "the history still serves"
+
+
+# -------------------------------------------------------------------------------------- Recipe
+
+
+def test_recipe_defaults():
+    r = fp8.Recipe()
+    assert r.scaling == "delayed" and r.history_len == fp8.DEFAULT_HISTORY == 16 and r.margin == 2.0
+    assert "scaling='delayed'" in repr(r) and "history=16" in repr(r)
+    h = r.history("cpu")
+    assert h.amax.shape == (16, 8) and h.row.shape == (8,) and r.history(torch.device("cpu")) is h
+    assert fp8.Recipe(scaling="current", history=1).scaling == "current"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scaling="Delayed"), r"scaling must be one of \['delayed', 'current'\], got 'Delayed'"),
+    (dict(scaling=None), "scaling must be one of"),
+    (dict(scaling="tensorwise"), "scaling must be one of"),
+    (dict(history=0), "history must be an int from 1 to 1024"),
+    (dict(history=-3), "history must be an int"),
+    (dict(history=1025), "history must be an int"),
+    (dict(history=2.0), "history must be an int"),
+    (dict(history=True), "history must be an int"),
+])
+def test_recipe_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fp8.Recipe(**kwargs)
+
+
+def test_recipe_reset_forgets_the_history():
+    r = fp8.Recipe()
+    q, k, v, go = attn_inputs(4, 4, 16, torch.float32, seed=90)
+    run_attention(q, k, v, go, r)
+    run_attention(q * 50, k, v, go, r)
+    assert r.history("cpu").saturated[0].item() == 1 and r.saturated >= 1 and r.warm("cpu")
+    r.reset()
+    assert r.saturated == 0 and not r.warm("cpu") and torch.all(r.history("cpu").amax == 0)
+
+
+# ------------------------------------------------------------------------- attention, backward
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_over_several_calls_matches_fp64_under_both_recipes(scaling, causal):
+    """Five calls on one recipe (the delayed one's history fills, its backward stops syncing
+    after the first): each within the bounds of tests/test_fp8.py (not loosened)."""
+    recipe = fp8.Recipe(scaling=scaling)
+    for step in range(5):
+        q, k, v, go = attn_inputs(8, 2, 32, torch.bfloat16, seed=100 + step)
+        got = run_attention(q, k, v, go, recipe, is_causal=causal)
+        want = sdpa64_grads(q, k, v, go, causal)
+        err = rel_error(got[0], want[0])[0]
+        assert err <= ATTN_FWD_TOL, f"{scaling} step {step}: out {err:.4f}"
+        for name, a, b in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+            err = rel_error(a, b)[0]
+            assert err <= ATTN_GRAD_TOL, f"{scaling} step {step}: {name} {err:.4f}"
+    assert recipe.saturated == 0
+
+
+def test_the_delayed_backward_reruns_only_its_first_call_and_keeps_a_history():
+    recipe = fp8.Recipe()
+    q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=110)
+    run_attention(q, k, v, go * 1e-5, recipe)  # tiny gradients: the first backward re-runs
+    first = recipe.retries
+    assert first >= 1 and recipe.warm("cpu")
+    h = recipe.history("cpu")
+    assert torch.all(h.amax[0, 4:8] > 0) and h.row[4:8].tolist() == [1] * 4, "gradient amax per unit recorded"
+    for i in range(3):
+        run_attention(q, k, v, go * 1e-5, recipe)
+    assert recipe.retries == first, "no re-run (no host sync) once the history holds amax values"
+    assert h.row[4:8].tolist() == [4] * 4 and h.saturated.sum() == 0
+
+
+def test_a_delayed_backward_whose_scale_clips_is_counted_once():
+    csp.reset_stats()
+    recipe = fp8.Recipe()
+    q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=111)
+    run_attention(q, k, v, go, recipe)
+    retries = recipe.retries
+    recipe.history("cpu").amax[:, 4:8] *= 1e-3  # a stale history: every gradient scale 1000x too large
+    got = run_attention(q, k, v, go, recipe)
+    assert recipe.retries == retries, "not re-run"
+    assert recipe.history("cpu").saturated.tolist() == [0, 0, 0, 0, 1, 0, 0, 0], "one backward, counted once"
+    assert recipe.saturated == 1 and csp.stats().fp8_saturated == 1
+    assert "FP8 calls whose delayed scale would have clipped: 1" in csp.report()
+    assert max(g.abs().max().item() for g in got[1:]) > 0
+    want = sdpa64_grads(q, k, v, go, False)
+    assert max(rel_error(a, b)[0] for a, b in zip(got[1:], want[1:])) > ATTN_GRAD_TOL, "clipped: reported, not hidden"
+    again = run_attention(q, k, v, go, recipe)  # the history has this call's amax now
+    assert recipe.saturated == 1 and csp.stats().fp8_saturated == 1
+    for a, b in zip(again[1:], want[1:]):
+        assert rel_error(a, b)[0] <= ATTN_GRAD_TOL
+
+
+@pytest.mark.parametrize("which, factor", [("go", 64.0), ("q", 4.0), ("k", 0.25), ("v", 20.0), ("go", 1e-3)])
+def test_a_jump_in_do_q_or_v_moves_the_gradient_scales_before_the_backward(which, factor):
+    """The gradient history is kept per unit of the operands' descales, so a jump their own
+    (redone) scales see moves dQ, dK, dV, dS's scales too: no clipping, accurate gradients."""
+    recipe = fp8.Recipe()
+    t = dict(zip(("q", "k", "v", "go"), attn_inputs(4, 4, 32, torch.float32, seed=114)))
+    run_attention(t["q"], t["k"], t["v"], t["go"], recipe)
+    t[which] = t[which] * factor
+    got = run_attention(t["q"], t["k"], t["v"], t["go"], recipe)
+    assert recipe.history("cpu").saturated[4].item() == 0, "the backward did not clip"
+    want = sdpa64_grads(t["q"], t["k"], t["v"], t["go"], False)
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+        assert rel_error(a, b)[0] <= ATTN_GRAD_TOL, name
+
+
+def test_a_delayed_backward_whose_scale_is_far_too_small_is_counted_as_flushed():
+    """A history 1000x above this call's gradients (a spike that has not left the window): the
+    delayed backward is not re-run; each such call is counted in ``flushed`` (not in
+    ``fp8_saturated``: nothing clipped) until the spike leaves the window."""
+    csp.reset_stats()
+    recipe = fp8.Recipe(history=2)
+    q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=115)
+    run_attention(q, k, v, go, recipe)
+    recipe.history("cpu").amax[:, 4:8] *= 1e3
+    for calls in (1, 2):
+        run_attention(q, k, v, go, recipe)
+        assert recipe.flushed == calls
+    got = run_attention(q, k, v, go, recipe)  # both spiked rows are gone
+    assert recipe.flushed == 2 and recipe.saturated == 0 and csp.stats().fp8_saturated == 0
+    want = sdpa64_grads(q, k, v, go, False)
+    for a, b in zip(got[1:], want[1:]):
+        assert rel_error(a, b)[0] <= ATTN_GRAD_TOL
+
+
+def test_the_current_recipe_keeps_rerunning_instead_of_counting():
+    recipe = fp8.Recipe(scaling="current")
+    q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=112)
+    run_attention(q, k, v, go, recipe)
+    retries = recipe.retries
+    got = run_attention(q, k, v, go * 64, recipe)
+    want = sdpa64_grads(q, k, v, go * 64, False)
+    assert recipe.retries > retries and recipe.saturated == 0
+    for a, b in zip(got[1:], want[1:]):
+        assert rel_error(a, b)[0] <= ATTN_GRAD_TOL
+    assert torch.all(recipe.history("cpu").amax == 0), "current scaling keeps no history"
+
+
+def test_a_delayed_recipe_saturating_on_q_is_not_clipped():
+    recipe = fp8.Recipe()
+    q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=113)
+    run_attention(q, k, v, go, recipe)
+    q2 = q * 30
+    got = run_attention(q2, k, v, go, recipe)
+    fresh = run_attention(q2, k, v, go, fp8.Recipe(scaling="current"))
+    assert recipe.history("cpu").saturated[0].item() == 1
+    assert torch.equal(got[0], fresh[0]), "the saturated q was redone at its own scale: current scaling's output"
+
+
+# --------------------------------------------------------------------- implementations agree
+
+
+def _interpreted_triton():
+    """ops.fp8_quant_triton with TRITON_INTERPRET=1 (set before triton is imported: triton.language's
+    own jit functions are made interpreted or compiled then), under a name of its own."""
+    if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (this test runs it in a subprocess)")
+    os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    path = ROOT / "cudnn_sdpa_provider" / "ops" / "fp8_quant_triton.py"
+    spec = importlib.util.spec_from_file_location("cudnn_sdpa_provider.ops._fp8_quant_triton_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the interpreter finds a kernel's helpers there
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_triton_bits(dtype, fmt):
+    """The Triton kernels (interpreted, with the integer cast ``soft_cast``, which the GPU test
+    compares with the hardware's cast on the device) against the torch path: current at three
+    margins on ``hard_inputs``, and a delayed sequence through a first call, a saturating jump, a
+    drop, a NaN and an all-zero tensor, history and counters included."""
+    tri = _interpreted_triton()
+    for i, x in enumerate(hard_inputs(10, dtype, fmt)):
+        dense = x if fp8_quant.dense(x) else x.contiguous()
+        for margin in (1.0, 2.0, 1.5):
+            want = fp8_quant.current(x, fmt, margin=margin, impl="torch")
+            got = tri.current(dense, fmt, margin, soft_cast=True)
+            same_bits(got[0], want[0], f"current input {i} margin {margin}")
+            same_value(got[1], want[1], "descale")
+            assert torch.equal(got[2], want[2]) or (torch.isnan(got[2]) and torch.isnan(want[2]))
+    h_torch, h_tri = _history(4), _history(4)
+    total = torch.zeros(1, dtype=torch.int32)
+    g = gen(11)
+    for step, mag in enumerate([1.0, 1.0, 40.0, 1e-4, 1.0, float("nan"), 0.0, 3.0, 1.0]):
+        x = (torch.randn(3, 333, generator=g) * mag).to(dtype)
+        want = fp8_quant.delayed(x, fmt, h_torch, 3, margin=2.0, impl="torch")
+        got = tri.delayed(x, fmt, h_tri, 3, 2.0, total, fp8_quant.UNDER, soft_cast=True)
+        same_bits(got[0], want[0], f"delayed step {step}")
+        same_value(got[1], want[1], f"delayed step {step} descale")
+        for field in ("amax", "row", "saturated"):
+            assert torch.equal(getattr(h_tri, field), getattr(h_torch, field)), f"step {step}: {field}"
+    assert h_tri.saturated[3].item() == 1 and total.item() == 1
+
+
+def test_triton_kernels_give_the_torch_path_s_bits():
+    """``check_triton_bits`` for bf16/fp16/fp32 into e4m3/e5m2, in a fresh interpreter (skipped
+    without triton: torch's CPU wheels do not bring it; ``pip install triton`` does)."""
+    pytest.importorskip("triton")
+    code = ("import torch; from tests.test_fp8_recipes import check_triton_bits as c\n"
+            "for d in (torch.bfloat16, torch.float16, torch.float32):\n"
+            "    for f in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
+            "        c(d, f)\n"
+            "print('bits equal')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_the_compiled_path_gives_the_torch_path_s_bits():
+    torch._dynamo.reset()
+    for x in hard_inputs(12, torch.bfloat16)[:4]:
+        dense = x if fp8_quant.dense(x) else x.contiguous()
+        want = fp8_quant._current_torch(dense, E4M3, 1.0)
+        got = fp8_quant._compiled("current")(dense, E4M3, 1.0)
+        same_bits(got[0], want[0], "compiled current")
+        same_value(got[1], want[1])
+    h = [_history(4), _history(4)]
+    for step, mag in enumerate([1.0, 1.0, 40.0, 1e-4, 1.0]):
+        x = torch.randn(4, 100, generator=gen(step)).bfloat16() * mag
+        total = torch.zeros(1, dtype=torch.int32)  # ("compiled" runs only on CUDA through delayed())
+        got = fp8_quant._compiled("delayed")(x, E4M3, h[1].amax, h[1].row, h[1].saturated, total, 1, 2.0)
+        want = fp8_quant.delayed(x, E4M3, h[0], 1, margin=2.0, impl="torch")
+        same_bits(got[0], want[0], f"compiled delayed step {step}")
+        same_value(got[1], want[1])
+    for field in ("amax", "row", "saturated"):
+        assert torch.equal(getattr(h[0], field), getattr(h[1], field)), field
+
+
+def test_choose_picks_torch_on_the_cpu_and_rejects_unknown_names():
+    x = torch.zeros(2)
+    assert [fp8_quant.choose(i, x) for i in fp8_quant.IMPLS] == ["torch"] * 4
+    with pytest.raises(ValueError, match=r"impl must be one of \['auto', 'triton', 'compiled', 'torch'\]"):
+        fp8_quant.choose("cuda", x)
+
+
+@pytest.mark.parametrize("raw, value, warns", [(None, "auto", False), ("", "auto", False), ("Triton", "triton", False),
+                                              ("compiled", "compiled", False), ("torch", "torch", False),
+                                              ("fast", "auto", True)])
+def test_fp8_quant_variable(raw, value, warns):
+    parsed = env.parse_fp8_quant(raw)
+    assert parsed.value == value and bool(parsed.warning) == warns
+    if warns:
+        assert "CUDNN_SDPA_PROVIDER_FP8_QUANT='fast'" in parsed.warning and "'compiled'" in parsed.warning
+
+
+# ----------------------------------------------------------------------- op, compile, counters
+
+
+def test_opcheck_fp8_quantize_current_and_delayed():
+    x = torch.randn(2, 8, 3, 16, generator=gen(13)).transpose(1, 2)
+    opcheck(torch.ops.cudnn_sdpa.fp8_quantize, (x, E4M3, 0, 0, 1.0))
+    recipe = fp8.Recipe()
+    opcheck(torch.ops.cudnn_sdpa.fp8_quantize, (x, E5M2, recipe.id, 3, 2.0))
+    assert recipe.history("cpu").row[3].item() > 0
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_compiled_attention_equals_eager_under_both_recipes(scaling):
+    torch._dynamo.reset()
+    q, k, v, go = attn_inputs(8, 2, 32, torch.float32, seed=120)
+
+    def fn(q, k, v, recipe):
+        return fp8.attention(q, k, v, is_causal=True, recipe=recipe)
+
+    eager, compiled = fp8.Recipe(scaling=scaling), fp8.Recipe(scaling=scaling)
+    step = torch.compile(fn, fullgraph=True)
+    for i in range(3):
+        scale = (1.0, 1.0, 40.0)[i]  # the third call saturates a delayed recipe's q
+        a = _run(fn, q * scale, k, v, go, eager)
+        b = _run(step, q * scale, k, v, go, compiled)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), f"{scaling} call {i}"
+    assert eager.saturated == compiled.saturated
+    assert (eager.history("cpu").saturated[0].item() == 1) == (scaling == "delayed")
+    assert torch.equal(eager.history("cpu").amax, compiled.history("cpu").amax)
+
+
+def _run(fn, q, k, v, go, recipe):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, recipe)
+    out.backward(go)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_stats_diff_and_report_carry_the_saturation_count():
+    a = counters.Stats()
+    assert a.fp8_saturated == 0 and "fp8_saturated" not in a.to_dict(), "to_dict's keys stay the paths"
+    assert "clipped" not in counters.format_table(a)
+
+
+def test_a_device_count_that_cannot_be_read_leaves_stats_working(monkeypatch):
+    def broken(discard):
+        raise RuntimeError("CUDA is shutting down")
+
+    monkeypatch.setitem(counters._drains, "fp8_saturated", broken)
+    assert csp.stats().fp8_saturated >= 0
+    csp.reset_stats()
+
+
+# ------------------------------------------------------------------------------ bench script
+
+
+def test_bench_script_arguments():
+    spec = importlib.util.spec_from_file_location("bench_fp8_quant", ROOT / "scripts" / "bench_fp8_quant.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args([])
+    assert args.shape == [1, 32, 4096, 128] and args.impls == ["triton", "compiled", "torch"] and args.iters == 50
+    args = module.parse_args(["--shape", "4", "8", "2048", "128", "--impls", "torch", "--iters", "5", "--json", "x"])
+    assert args.shape == [4, 8, 2048, 128] and args.impls == ["torch"] and args.json == "x"
+    with pytest.raises(SystemExit):
+        module.parse_args(["--impls", "cuda"])
