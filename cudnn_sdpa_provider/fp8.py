@@ -9,9 +9,9 @@ Two levels:
 
 * ``attention``: activations (bf16, fp16 or fp32) in, the same dtype out, differentiable through
   autograd. It quantises q, k, v (and, in the backward, dO) as its ``Recipe`` says
-  (``ops.fp8_quant``): delayed scaling by default (one pass, the scale from an amax history on
-  the device; a call the history's scale would clip is redone at its own scale and counted in
-  ``csp.stats().fp8_saturated``), or current scaling (``quantize``: this call's amax). O's scale
+  (``ops.fp8_quant``): current scaling by default (``quantize``: this call's amax), or delayed
+  scaling (one pass, the scale from an amax history on the device; a call the history's scale
+  would clip is redone at its own scale and counted in ``csp.stats().fp8_saturated``). O's scale
   comes from max |V| (|O| <= max |V|: each row of O is a convex combination of V's rows). The
   scales of dQ, dK, dV and dS, which cuDNN needs before it computes them, come from earlier
   backwards (``fp8_ops``): under current scaling checked after the call and re-run when an output
@@ -226,14 +226,15 @@ def backward(grad_out, q, k, v, out, lse, *, descale_q, descale_k, descale_v, de
 class Recipe:
     """Scaling for ``attention`` (docs/fp8.md says what each guarantees).
 
-    ``scaling="delayed"`` (default): q, k, v and dO are quantised in one pass at a scale from the
+    ``scaling="delayed"``: q, k, v and dO are quantised in one pass at a scale from the
     largest of their last ``history`` amax values (x ``margin``), kept on the device; a call whose
     scale would clip (or flush: more than 16x too small), or the first one, is redone on the
     device at its own amax (``ops.fp8_quant``), and a clipping one is counted
     (``csp.stats().fp8_saturated``, ``saturated``). dQ, dK, dV, dS: scales from the last
     ``history`` backwards' amax x ``margin``, no host sync after the recipe's first backward; a
     backward whose scale clipped is counted, not re-run.
-    ``scaling="current"``: q, k, v, dO at this call's own amax (two passes each); dQ, dK, dV, dS
+    ``scaling="current"`` (default; ``delayed`` becomes it once the GPU tier has passed on it):
+    q, k, v, dO at this call's own amax (two passes each); dQ, dK, dV, dS
     from the last backward's amax x ``margin``, checked after the backward (one host sync) and
     re-run when an output would have saturated: no clipped gradient is ever returned.
 
@@ -241,7 +242,7 @@ class Recipe:
     recipe holds one state per device; share it across layers or give each its own (layers whose
     tensors differ in size share the largest one's scales)."""
 
-    def __init__(self, *, scaling: str = "delayed", history: int = DEFAULT_HISTORY, margin: float = 2.0,
+    def __init__(self, *, scaling: str = "current", history: int = DEFAULT_HISTORY, margin: float = 2.0,
                  scale_s: float = DEFAULT_SCALE_S, grad_dtype: torch.dtype = E4M3, _pinned: bool = False):
         if not isinstance(scaling, str) or scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {list(SCALINGS)}, got {scaling!r}")

@@ -4,10 +4,10 @@
 
 A causal self-attention layer whose attention runs in FP8 (float8_e4m3fn) on cuDNN's FP8 graphs
 (Hopper or newer, cuDNN >= 9.14, head dim 128 for the backward on Hopper): q, k, v are quantised
-with the recipe's delayed scaling (the default: one pass, scales from an amax history on the
-device; a call that would clip is redone at its own scale and counted), the gradients' scales
-come from the recipe's history too (``Recipe(scaling="current")``: this call's amax, and a
-backward checked and re-run where it would saturate). Activations and gradients stay bf16 around it. A few
+with the recipe's current scaling (the default: this call's amax; the backward checked and re-run
+where it would saturate; ``Recipe(scaling="delayed")``: one pass, scales from an amax history on
+the device, a call that would clip redone at its own scale and counted, docs/fp8.md).
+Activations and gradients stay bf16 around it. A few
 optimiser steps run beside an identical bf16 layer from the same weights; the losses and the
 output's error against fp32 attention are printed with the provider's report. On CPU the same code
 runs on the FP8 reference (reason ``no_cuda``), with the same quantisation.

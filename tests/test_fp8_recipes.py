@@ -196,8 +196,8 @@ def test_a_non_finite_tensor_gives_nan_and_leaves_the_history_finite():
 
 def test_recipe_defaults():
     r = fp8.Recipe()
-    assert r.scaling == "delayed" and r.history_len == fp8.DEFAULT_HISTORY == 16 and r.margin == 2.0
-    assert "scaling='delayed'" in repr(r) and "history=16" in repr(r)
+    assert r.scaling == "current" and r.history_len == fp8.DEFAULT_HISTORY == 16 and r.margin == 2.0
+    assert "scaling='current'" in repr(r) and "history=16" in repr(r)
     h = r.history("cpu")
     assert h.amax.shape == (16, 8) and h.row.shape == (8,) and r.history(torch.device("cpu")) is h
     assert fp8.Recipe(scaling="current", history=1).scaling == "current"
@@ -219,7 +219,7 @@ def test_recipe_bad_arguments(kwargs, match):
 
 
 def test_recipe_reset_forgets_the_history():
-    r = fp8.Recipe()
+    r = fp8.Recipe(scaling="delayed")
     q, k, v, go = attn_inputs(4, 4, 16, torch.float32, seed=90)
     run_attention(q, k, v, go, r)
     run_attention(q * 50, k, v, go, r)
@@ -250,7 +250,7 @@ def test_attention_over_several_calls_matches_fp64_under_both_recipes(scaling, c
 
 
 def test_the_delayed_backward_reruns_only_its_first_call_and_keeps_a_history():
-    recipe = fp8.Recipe()
+    recipe = fp8.Recipe(scaling="delayed")
     q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=110)
     run_attention(q, k, v, go * 1e-5, recipe)  # tiny gradients: the first backward re-runs
     first = recipe.retries
@@ -265,7 +265,7 @@ def test_the_delayed_backward_reruns_only_its_first_call_and_keeps_a_history():
 
 def test_a_delayed_backward_whose_scale_clips_is_counted_once():
     csp.reset_stats()
-    recipe = fp8.Recipe()
+    recipe = fp8.Recipe(scaling="delayed")
     q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=111)
     run_attention(q, k, v, go, recipe)
     retries = recipe.retries
@@ -288,7 +288,7 @@ def test_a_delayed_backward_whose_scale_clips_is_counted_once():
 def test_a_jump_in_do_q_or_v_moves_the_gradient_scales_before_the_backward(which, factor):
     """The gradient history is kept per unit of the operands' descales, so a jump their own
     (redone) scales see moves dQ, dK, dV, dS's scales too: no clipping, accurate gradients."""
-    recipe = fp8.Recipe()
+    recipe = fp8.Recipe(scaling="delayed")
     t = dict(zip(("q", "k", "v", "go"), attn_inputs(4, 4, 32, torch.float32, seed=114)))
     run_attention(t["q"], t["k"], t["v"], t["go"], recipe)
     t[which] = t[which] * factor
@@ -304,7 +304,7 @@ def test_a_delayed_backward_whose_scale_is_far_too_small_is_counted_as_flushed()
     delayed backward is not re-run; each such call is counted in ``flushed`` (not in
     ``fp8_saturated``: nothing clipped) until the spike leaves the window."""
     csp.reset_stats()
-    recipe = fp8.Recipe(history=2)
+    recipe = fp8.Recipe(scaling="delayed", history=2)
     q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=115)
     run_attention(q, k, v, go, recipe)
     recipe.history("cpu").amax[:, 4:8] *= 1e3
@@ -332,7 +332,7 @@ def test_the_current_recipe_keeps_rerunning_instead_of_counting():
 
 
 def test_a_delayed_recipe_saturating_on_q_is_not_clipped():
-    recipe = fp8.Recipe()
+    recipe = fp8.Recipe(scaling="delayed")
     q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=113)
     run_attention(q, k, v, go, recipe)
     q2 = q * 30
@@ -429,6 +429,23 @@ def test_choose_picks_torch_on_the_cpu_and_rejects_unknown_names():
         fp8_quant.choose("cuda", x)
 
 
+def test_auto_takes_the_triton_kernels_only_on_a_verified_device(monkeypatch):
+    """On CUDA with triton importable, ``auto`` is ``triton`` only where the device's compute
+    capability is in ``VERIFIED`` (the GPU tests passed there); ``triton`` forces it anywhere."""
+
+    class OnCuda:  # what choose() reads of a CUDA tensor
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(fp8_quant, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8_quant, "VERIFIED", ())
+    assert [fp8_quant.choose(i, OnCuda()) for i in fp8_quant.IMPLS] == ["torch", "triton", "compiled", "torch"]
+    monkeypatch.setattr(fp8_quant, "VERIFIED", ((10, 0),))
+    assert fp8_quant.choose("auto", OnCuda()) == "torch"
+    monkeypatch.setattr(fp8_quant, "VERIFIED", ((9, 0),))
+    assert fp8_quant.choose("auto", OnCuda()) == "triton"
+
+
 @pytest.mark.parametrize("raw, value, warns", [(None, "auto", False), ("", "auto", False), ("Triton", "triton", False),
                                               ("compiled", "compiled", False), ("torch", "torch", False),
                                               ("fast", "auto", True)])
@@ -445,7 +462,7 @@ def test_fp8_quant_variable(raw, value, warns):
 def test_opcheck_fp8_quantize_current_and_delayed():
     x = torch.randn(2, 8, 3, 16, generator=gen(13)).transpose(1, 2)
     opcheck(torch.ops.cudnn_sdpa.fp8_quantize, (x, E4M3, 0, 0, 1.0))
-    recipe = fp8.Recipe()
+    recipe = fp8.Recipe(scaling="delayed")
     opcheck(torch.ops.cudnn_sdpa.fp8_quantize, (x, E5M2, recipe.id, 3, 2.0))
     assert recipe.history("cpu").row[3].item() > 0
 

@@ -26,7 +26,8 @@ Variable                                              Meaning
                                                       per length.
 ``CUDNN_SDPA_PROVIDER_FP8_QUANT``                     ``auto`` (default): FP8 quantisation of
                                                       bf16/fp16/fp32 tensors in Triton kernels on
-                                                      CUDA where triton imports, else in aten
+                                                      CUDA where triton imports and the GPU is in
+                                                      ``fp8_quant.VERIFIED``, else in aten
                                                       ops; ``triton``, ``compiled``
                                                       (torch.compile) or ``torch`` force one
                                                       (``ops.fp8_quant``).

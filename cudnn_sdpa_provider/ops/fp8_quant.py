@@ -23,8 +23,10 @@ Implementations (``CUDNN_SDPA_PROVIDER_FP8_QUANT``, ``core.env``): ``triton`` (`
 CUDA tensors, imported only when used and only if ``triton`` imports: current is two passes
 over ``x``, amax then cast; delayed one pass plus a launch that returns at once unless the call
 needs redoing), ``compiled`` (the torch code under ``torch.compile``), ``torch`` (plain aten ops:
-CPU, and the fallback everywhere). ``auto`` (default) is ``triton`` on CUDA where triton imports,
-else ``torch``.
+CPU, and the fallback everywhere). ``auto`` (default) is ``triton`` on CUDA where triton imports
+and the device's compute capability is in ``VERIFIED`` (where the GPU tests of the Triton kernels
+passed: bit-equality with ``torch`` on the device, no host sync), else ``torch``. ``VERIFIED`` is
+empty until those tests have run on a GPU; ``triton`` forces the kernels anywhere.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ import torch
 from ..core import counters, env
 from .fp8_reference import FORMAT_MAX
 
-__all__ = ["IMPLS", "UNDER", "History", "current", "delayed", "choose", "dense", "triton_available",
+__all__ = ["IMPLS", "VERIFIED", "UNDER", "History", "current", "delayed", "choose", "dense", "triton_available",
            "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS"]
 
 IMPLS = ("auto", "triton", "compiled", "torch")
+#: Compute capabilities where ``auto`` picks the Triton kernels: tests/gpu/test_fp8_recipes_gpu.py
+#: passed there (results/gpu-runs.md names the run). None yet.
+VERIFIED: tuple = ()
 #: A delayed scale this many times below the current one is redone (values would flush to 0).
 UNDER = 16.0
 _TINY = 1e-30  # amax x margin below this is taken as this (the scale stays a normal fp32 number)
@@ -197,12 +202,13 @@ def triton_available() -> bool:
 
 def choose(impl: str, x: torch.Tensor) -> str:
     """The implementation that runs for ``impl`` (one of ``IMPLS``) on ``x``: ``triton`` and
-    ``compiled`` need a CUDA tensor and triton; otherwise (and for ``auto`` without them) ``torch``."""
+    ``compiled`` need a CUDA tensor and triton; ``auto`` is ``triton`` only on a ``VERIFIED``
+    device; otherwise ``torch``."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     fast = x.device.type == "cuda" and triton_available()
     if impl == "auto":
-        return "triton" if fast else "torch"
+        return "triton" if fast and torch.cuda.get_device_capability(x.device) in VERIFIED else "torch"
     return impl if fast else "torch"
 
 
