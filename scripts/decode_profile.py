@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
 PATHS = ("native", "flash", "provider")
 GENERATE_PATHS = ("native", "flash", "provider", "cudnn")

@@ -144,3 +144,12 @@ def test_a_whole_run_with_stand_ins(tmp_path, errors, fail, status):
     assert "env 1 1" in log and "lengths ['63', '64']" in log, log
     verdict = (tmp_path / "out" / "sanitize-folded-verdict.txt").read_text()
     assert verdict == done.stdout and verdict.startswith("PASS" if status == 0 else "FAIL"), verdict
+
+
+def test_the_sweep_finds_this_checkout_s_package_without_an_install(tmp_path):
+    """The GPU box runs ``python3 scripts/folded_sweep.py`` from the checkout, the package not installed."""
+    from tests.test_decode_profile import run_without_installed_package
+
+    done = run_without_installed_package(ROOT / "scripts" / "folded_sweep.py", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(ROOT / "cudnn_sdpa_provider" / "__init__.py")
