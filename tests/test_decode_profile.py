@@ -77,3 +77,17 @@ def test_the_script_finds_this_checkout_s_package_without_an_install(tmp_path):
     done = run_without_installed_package(SCRIPT, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(ROOT / "cudnn_sdpa_provider" / "__init__.py")
+
+
+def test_only_the_provider_path_enables_the_provider():
+    """The paths are the bench's hf_generate ones (tools/bench/shapes.py): ``cudnn`` is the registered
+    attn_implementation with the provider NOT enabled, so its profile is the bench's cudnn row's."""
+    import cudnn_sdpa_provider as csp
+
+    mod = _module()
+    for path in ("native", "cudnn"):
+        with mod._scope(path):
+            assert not csp.enabled(), path
+    with mod._scope("provider"):
+        assert csp.enabled()
+    assert not csp.enabled()
