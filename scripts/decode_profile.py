@@ -11,7 +11,9 @@ then the timed pass over the same lengths (what a warm generation is). Per path 
 (no sync between calls: what the CPU spends), the pass's wall time (synchronised at its ends), and
 the median CUDA-event time of one call at the last length. 16 layers per step, as the bench's model.
 
-``generate PATH`` (native, flash, provider, cudnn): the bench's 16-layer model (random weights,
+``generate PATH`` (native, flash, provider, cudnn; the paths of the bench's ``hf_generate`` rows:
+provider is ``attn_implementation="sdpa"`` inside ``csp.enable()``, cudnn the registered
+``attn_implementation="cudnn"`` with the provider not enabled): the bench's 16-layer model (random weights,
 bf16), prompt 808 + 128 new tokens, generated once to see every length, then again under
 torch.profiler: the top ops by self CPU time and by CUDA time, and the number of attention calls
 with their share. So the gap between the warm ``hf_generate`` rows (results/gpu-runs.md, run 50:
@@ -24,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
 PATHS = ("native", "flash", "provider")
 GENERATE_PATHS = ("native", "flash", "provider", "cudnn")
@@ -65,11 +70,11 @@ def _scope(path: str):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-    if path in ("provider", "cudnn"):
+    if path == "provider":
         import cudnn_sdpa_provider as csp
 
         return csp.enable()
-    return contextlib.nullcontext()
+    return contextlib.nullcontext()  # native; cudnn: the registered attn_implementation, provider not enabled
 
 
 def _caches(torch, batch: int, prompt: int, steps: int):

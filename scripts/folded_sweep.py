@@ -18,6 +18,7 @@ import os
 import sys
 
 os.environ.setdefault("CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS", "1")  # before the package reads it
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
 import torch  # noqa: E402
 

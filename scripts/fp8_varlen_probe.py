@@ -50,6 +50,9 @@ TAIL = 64  # packed outputs get this many rows past the last sequence, filled wi
 NAN_BYTE = 0x7F  # float8_e4m3fn NaN
 BOUNDS = {"o": 0.07, "dq": 0.1, "dk": 0.1, "dv": 0.1}  # the dense FP8 graphs' bounds against the same reference
 EXIT_NO_CUDA, EXIT_CONTROL_FAILED = 4, 1
+#: Seconds one configuration's process may run (it builds and runs two graphs: seconds). Well under
+#: the GPU tier's 600 s per device call, so a hung configuration is recorded and the next ones run.
+CHILD_TIMEOUT_S = 180
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,10 +516,10 @@ def run_isolated(cfg: Config, args) -> dict:
                "--lens", ",".join(map(str, args.lens)), "--heads", str(args.heads), "--dim", str(args.dim),
                "--seed", str(args.seed)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
             said = (done.stderr or done.stdout).strip()[-400:]
         except subprocess.TimeoutExpired:
-            said = "no answer in 600 s"
+            said = f"no answer in {CHILD_TIMEOUT_S:g} s"
         if os.path.exists(path):
             with open(path) as fh:
                 return json.load(fh)["configs"][0]

@@ -7,7 +7,9 @@
 # graphs forced on and PyTorch's caching allocator off (each tensor its own cudaMalloc, so a read or
 # write past a tensor is past an allocation, which memcheck reports). Writes OUT/sanitize-folded.log
 # (the sanitizer's and the sweep's output) and OUT/sanitize-folded-verdict.txt (one line).
-# compute-sanitizer is taken from SANITIZER, else PATH, else /usr/local/cuda/bin.
+# compute-sanitizer is taken from SANITIZER, else PATH, else /usr/local/cuda/bin. TIMEOUT (default 540 s)
+# bounds the whole run, under the GPU tier's 600 s per device call, so the verdict is written even when
+# the sweep is cut (then pass fewer lengths); a sanitizer still alive 30 s after its TERM is killed.
 # Exit status:
 #   0  PASS: the sanitizer's ERROR SUMMARY says 0 errors and the sweep finished (SWEEP OK);
 #   1  FAIL: the sanitizer reported errors;
@@ -72,7 +74,7 @@ fi
 sweep=${SWEEP:-$(dirname "$0")/folded_sweep.py}  # SWEEP: a stand-in (tests)
 echo "sanitize_folded: $sanitizer --tool memcheck ${PYTHON:-python3} $sweep $*" >&2
 CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-  timeout "${TIMEOUT:-3000}" "$sanitizer" --tool memcheck --print-limit "${PRINT_LIMIT:-100}" \
+  timeout --kill-after=30 "${TIMEOUT:-540}" "$sanitizer" --tool memcheck --print-limit "${PRINT_LIMIT:-100}" \
   "${PYTHON:-python3}" "$sweep" "$@" > "$log" 2>&1
 rc=$?
 line=$(verdict "$log" "$rc")

@@ -47,3 +47,47 @@ def test_without_cuda_it_says_so_and_exits_2():
                           timeout=120)
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr
+
+
+#: Runs a script's module code, then imports the package: the package comes from the script's own
+#: sys.path entry or not at all (``-S``: no site-packages processing, so no editable install).
+IMPORT_DRIVER = """
+import runpy, sys
+runpy.run_path(sys.argv[1], run_name="script_under_test")
+import cudnn_sdpa_provider
+print(cudnn_sdpa_provider.__file__)
+"""
+
+
+def run_without_installed_package(script: pathlib.Path, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """``script``'s module code in an interpreter where torch is importable but this package is not
+    (as on the GPU box, which runs ``python3 scripts/X.py`` from the checkout without installing it)."""
+    import sysconfig
+
+    paths = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    return subprocess.run([sys.executable, "-S", "-c", IMPORT_DRIVER, str(script)], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(paths)})
+
+
+def test_the_script_finds_this_checkout_s_package_without_an_install(tmp_path):
+    hidden = subprocess.run([sys.executable, "-S", "-c", "import cudnn_sdpa_provider"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    assert hidden.returncode != 0 and "No module named 'cudnn_sdpa_provider'" in hidden.stderr
+    done = run_without_installed_package(SCRIPT, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(ROOT / "cudnn_sdpa_provider" / "__init__.py")
+
+
+def test_only_the_provider_path_enables_the_provider():
+    """The paths are the bench's hf_generate ones (tools/bench/shapes.py): ``cudnn`` is the registered
+    attn_implementation with the provider NOT enabled, so its profile is the bench's cudnn row's."""
+    import cudnn_sdpa_provider as csp
+
+    mod = _module()
+    for path in ("native", "cudnn"):
+        with mod._scope(path):
+            assert not csp.enabled(), path
+    with mod._scope("provider"):
+        assert csp.enabled()
+    assert not csp.enabled()

@@ -458,3 +458,24 @@ def test_the_doctor_says_whether_the_default_mode_folds_here(monkeypatch, cc, ve
     monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
     rows = {(r.section, r.label): r.value for r in doctor.doctor_rows(run_self_test=False)}
     assert says in rows[("graphs", "cache")], rows[("graphs", "cache")]
+
+
+def test_the_gpu_file_s_child_runner_reports_a_hung_or_failed_child_with_its_last_start_line():
+    """tests/gpu/test_folded_gpu.py runs each body in a child: one that hangs past its timeout (kept
+    under the GPU tier's 600 s per device call) or exits non-zero fails the test with what it printed
+    last, the configuration it was in; one that finishes returns its stdout."""
+    import os
+
+    from tests.gpu import test_folded_gpu as gpu_file
+
+    assert gpu_file.CHILD_TIMEOUT < 600
+    env_vars = dict(os.environ)
+    with pytest.raises(AssertionError) as hung:
+        gpu_file._run_child("hang", "import time; print('START S=1025', flush=True); time.sleep(60)", env_vars, 3)
+    assert "hang: no answer in 3 s" in str(hung.value) and "START S=1025" in str(hung.value)
+    with pytest.raises(AssertionError) as failed:
+        gpu_file._run_child("fail", "print('START S=63', flush=True); raise SystemExit('wrong dq')", env_vars, 60)
+    assert "fail: child exit 1" in str(failed.value) and "START S=63" in str(failed.value) and "wrong dq" in str(failed.value)
+    with pytest.raises(AssertionError, match="quiet: child exit 0"):  # exit 0 without saying it finished
+        gpu_file._run_child("quiet", "print('START S=64')", env_vars, 60)
+    assert gpu_file._run_child("ok", "print('START S=65'); print('ok done')", env_vars, 60) == "START S=65\nok done\n"

@@ -344,6 +344,15 @@ def test_without_cuda_it_exits_4_and_a_child_that_dies_is_recorded_as_crashed(pr
     assert r["backward"]["status"] == "skipped" and r["name"] == "packed_causal" and r["tokens"] == 126
 
 
+def test_a_child_past_its_limit_is_recorded_as_crashed_within_a_device_call(probe, monkeypatch):
+    """A configuration's process gets less than the GPU tier's 600 s per device call: a hung one is
+    recorded (the next configurations run, the summary is written) before the call is cut."""
+    assert probe.CHILD_TIMEOUT_S < 600
+    monkeypatch.setattr(probe, "CHILD_TIMEOUT_S", 0.01)  # the child cannot even import torch in time
+    r = probe.run_isolated(probe.BY_NAME["packed_full"], _args(probe))
+    assert r["forward"] == {"status": "crashed", "message": "no answer in 0.01 s"}, r
+
+
 def test_the_padded_controls_backward_gets_an_o_zeroed_past_each_length(probe, monkeypatch):
     """As csp.fp8 zeroes a padded O's rows past the lengths before its backward; the packed O keeps
     its NaN canary past the last sequence (a backward reading there would come out NaN)."""

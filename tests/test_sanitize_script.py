@@ -144,3 +144,33 @@ def test_a_whole_run_with_stand_ins(tmp_path, errors, fail, status):
     assert "env 1 1" in log and "lengths ['63', '64']" in log, log
     verdict = (tmp_path / "out" / "sanitize-folded-verdict.txt").read_text()
     assert verdict == done.stdout and verdict.startswith("PASS" if status == 0 else "FAIL"), verdict
+
+
+def test_the_sweep_finds_this_checkout_s_package_without_an_install(tmp_path):
+    """The GPU box runs ``python3 scripts/folded_sweep.py`` from the checkout, the package not installed."""
+    from tests.test_decode_profile import run_without_installed_package
+
+    done = run_without_installed_package(ROOT / "scripts" / "folded_sweep.py", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(ROOT / "cudnn_sdpa_provider" / "__init__.py")
+
+
+HANGING_SWEEP = """import time
+print("START S=63", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_sweep_cut_by_timeout_still_gets_its_verdict(tmp_path):
+    """TIMEOUT bounds the run (its default fits a 600 s device call): the sweep is cut, the verdict
+    written, exit status 3, the log keeping how far it got."""
+    assert 'timeout --kill-after=30 "${TIMEOUT:-540}"' in SCRIPT.read_text()
+    sanitizer, sweep = tmp_path / "compute-sanitizer", tmp_path / "sweep.py"
+    sanitizer.write_text(FAKE_SANITIZER)
+    sanitizer.chmod(0o755)
+    sweep.write_text(HANGING_SWEEP)
+    done = _run(tmp_path, PATH=f"{tmp_path}:/usr/bin:/bin", SWEEP=str(sweep), PYTHON=sys.executable, TIMEOUT="3")
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    verdict = (tmp_path / "out" / "sanitize-folded-verdict.txt").read_text()
+    assert verdict.startswith("FAIL") and "exit status 124" in verdict, verdict
+    assert "START S=63" in (tmp_path / "out" / "sanitize-folded.log").read_text()

@@ -4,6 +4,7 @@ path that cannot run gives an error row instead of stopping the bench."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -15,9 +16,14 @@ from cudnn_sdpa_provider.tools.bench.shapes import Run
 pytestmark = pytest.mark.gpu
 
 NEW_LENGTH_ROWS = ("new_length_decode_fwd", "new_length_prefill_fwd", "new_length_prefill_fwd_bwd")
+#: Seconds each bench process may run here (the slowest, native hf_generate batch 1, takes about a minute:
+#: shape_runner.CHILD_TIMEOUT_S's note): well under the GPU tier's 600 s per device call, so a hung process is an error row and
+#: this test's failure, not the whole call cut (the bench's own limit, shape_runner.CHILD_TIMEOUT_S, is 1800).
+CHILD_TIMEOUT = 240
 
 
-def test_new_length_through_the_cli_every_path_in_its_own_process(tmp_path, capsys):
+def test_new_length_through_the_cli_every_path_in_its_own_process(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run_shapes", functools.partial(shape_runner.run_shapes, timeout=CHILD_TIMEOUT))
     out, fig = tmp_path / "shapes.json", tmp_path / "shapes.png"
     assert cli.main(["bench", "--cases", "new_length", "--json", str(out), "--plot", str(fig)]) == cli.EXIT_OK
     data = json.loads(out.read_text())
@@ -40,7 +46,7 @@ def test_new_length_through_the_cli_every_path_in_its_own_process(tmp_path, caps
 
 def test_flash_declining_hf_padding_is_an_error_row():
     pytest.importorskip("transformers")
-    rows = shape_runner.run_one(Run("hf_dynamic_padding", "flash"), timeout=900)
+    rows = shape_runner.run_one(Run("hf_dynamic_padding", "flash"), timeout=CHILD_TIMEOUT)
     assert [r["status"] for r in rows] == ["error"] and rows[0]["reason"], rows
 
 
@@ -50,7 +56,7 @@ def test_hf_generate_batch_one_provider_and_cudnn_rows():
     case = next(c for c in bench.SHAPE_CASES if c.name == "hf_generate")
     rows = []
     for path in ("native", "provider", "cudnn"):
-        rows += shape_runner.run_one(Run(case.name, path, 1), timeout=900)
+        rows += shape_runner.run_one(Run(case.name, path, 1), timeout=CHILD_TIMEOUT)
     bench.shapes.add_shape_ratios(rows)
     assert [(r["case"], r["path"]) for r in rows] == [(f"hf_generate_b1_{label}", p)
                                                      for p in ("native", "provider", "cudnn")

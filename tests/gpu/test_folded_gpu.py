@@ -54,17 +54,36 @@ PAD = 8  # canary rows past each real length
 EDGES = [e for k in range(6, 12) for e in (2**k - 1, 2**k, 2**k + 1)]
 LSE_TOL = 1e-3  # relative to max|lse|, as tests/gpu/test_engine.py checks the exact graphs' LSE
 GAPPED = ("bhsd", "bhsd_batch_gap", "token_major", "token_major_head_gap")
+#: Seconds each child may run: under the GPU tier's 600 s per device call (docs/gpu-tier.md), so a hung
+#: child is this test's failure, with its last START line, before the call itself is cut.
+CHILD_TIMEOUT = float(os.environ.get("CSP_FOLDED_TIMEOUT", "300"))
 
 
-def _in_child(body: str, timeout: int = 900) -> str:
+def _in_child(body: str, timeout: float | None = None) -> str:
     """Run ``body()`` of this module in a fresh Python process with the folded graphs forced on; its
     stdout. Fails with the child's last output (the ``START`` line of the configuration it was
-    running) when it exits non-zero, crashes, or ends without saying it finished."""
+    running) when it exits non-zero, crashes, runs past ``timeout`` (``CHILD_TIMEOUT``) or ends
+    without saying it finished."""
     env_vars = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     env_vars[env.SHAPE_BUCKETS] = "1"
     code = f"import tests.gpu.test_folded_gpu as m; m.{body}(); print('{body} done', flush=True)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env_vars, capture_output=True, text=True,
-                          timeout=timeout)
+    return _run_child(body, code, env_vars, CHILD_TIMEOUT if timeout is None else timeout)
+
+
+def _text(out) -> str:
+    """A stream a child wrote, as text (``TimeoutExpired`` holds bytes, whatever ``text`` was)."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
+def _run_child(body: str, code: str, env_vars: dict, timeout: float) -> str:
+    """``python -c code`` in the repository; its stdout, or an AssertionError that names ``body`` and
+    holds the end of both streams (after a timeout too: what the child printed before it was killed)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env_vars, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{body}: no answer in {timeout:g} s (CSP_FOLDED_TIMEOUT)\n{_text(exc.stdout)[-3000:]}"
+                             f"\n{_text(exc.stderr)[-6000:]}") from None
     assert proc.returncode == 0 and f"{body} done" in proc.stdout, (
         f"{body}: child exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout
@@ -404,7 +423,7 @@ def test_folded_calls_captured_on_torch_s_side_stream_replay_right_after_evictio
 
 
 def test_bhsd_gqa_prefill_at_bucket_edges_with_canaries():
-    out = _in_child("_edges_body", timeout=1200)
+    out = _in_child("_edges_body")
     assert out.count("START") == 2 * len(EDGES)
 
 
@@ -422,10 +441,10 @@ def test_padded_rows_past_the_lengths_are_the_exact_graph_s():
 
 
 def test_a_200_length_sweep_builds_at_most_one_forward_and_one_backward_graph_per_bucket():
-    _in_child("_builds_body", timeout=1200)
+    _in_child("_builds_body")
 
 
 def test_the_default_mode_growing_sweep_builds_at_most_one_graph_per_bucket():
-    if "NOT VERIFIED HERE" in _in_child("_builds_auto_body", timeout=1200):
+    if "NOT VERIFIED HERE" in _in_child("_builds_auto_body"):
         pytest.skip("the default mode does not fold on this GPU and cuDNN (folded.VERIFIED)")
 
