@@ -99,7 +99,8 @@ CATALOG: dict[str, tuple[str, str]] = {
         "on or compute wrong (the known-issues table: each row names its public issue). Checked again on the "
         "graph actually built, so a graph built for other dims than the call's is covered too. (Before the "
         "table, the cuDNN 9.26 backward-planning crash at B = H = S_q = 1 counted as `cudnn_bug`.)",
-        "Nothing to do: the call runs on PyTorch's kernel; docs/support.md lists the rows and their issues, "
+        "Nothing to do: the call runs on the aten composite (PyTorch's own cuDNN kernels share the cuDNN "
+        "bug, so they are not used for it); docs/support.md lists the rows and their issues, "
         "`cudnn-sdpa doctor` the ones that apply to this machine.",
     ),
     Slug.COMPUTE_CAPABILITY.value: (
