@@ -523,3 +523,30 @@ def test_bench_script_arguments():
     assert args.shape == [4, 8, 2048, 128] and args.impls == ["torch"] and args.json == "x"
     with pytest.raises(SystemExit):
         module.parse_args(["--impls", "cuda"])
+
+
+@pytest.mark.parametrize("raw, cuda, triton, verified, says", [
+    (None, False, True, True, "aten ops (no CUDA device)"),
+    (None, True, False, True, "aten ops (triton does not import here)"),
+    (None, True, True, False, "aten ops (the Triton kernels are not verified on this GPU; =triton forces them)"),
+    (None, True, True, True, "Triton kernels (verified on this GPU)"),
+    ("triton", True, True, False, "triton (CUDNN_SDPA_PROVIDER_FP8_QUANT): forced"),
+    ("torch", True, True, True, "torch (CUDNN_SDPA_PROVIDER_FP8_QUANT): aten ops"),
+])
+def test_the_doctor_says_which_code_quantises_fp8_inputs_here(monkeypatch, raw, cuda, triton, verified, says):
+    """The doctor's [fp8] row follows ``choose``: auto takes the Triton kernels only on a verified
+    GPU where triton imports; a forced value is said as forced."""
+    from cudnn_sdpa_provider.engine import machine
+    from cudnn_sdpa_provider.tools import doctor
+    from tests import fake_cudnn
+
+    if raw is None:
+        monkeypatch.delenv(env.FP8_QUANT, raising=False)
+    else:
+        monkeypatch.setenv(env.FP8_QUANT, raw)
+    caps = fake_cudnn.with_caps(cuda=cuda, compute_capability=(9, 0) if cuda else None)
+    monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
+    monkeypatch.setattr(fp8_quant, "triton_available", lambda: triton)
+    monkeypatch.setattr(fp8_quant, "VERIFIED", ((9, 0),) if verified else ())
+    rows = {(r.section, r.label): r.value for r in doctor.doctor_rows(run_self_test=False)}
+    assert rows[("fp8", "quantisation")].endswith(says), rows[("fp8", "quantisation")]

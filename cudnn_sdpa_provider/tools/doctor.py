@@ -137,6 +137,31 @@ def _graph_rows(caps) -> list:
                                            f"{b['rejected']} rejected by cuDNN")]
 
 
+def _fp8_quantisation(caps) -> str:
+    """Which code quantises ``csp.fp8.attention``'s inputs here (``ops.fp8_quant.choose``), and why."""
+    from ..core import env
+    from ..ops import fp8_quant
+
+    impl = env.fp8_quant()
+    if not caps.cuda:
+        return f"{impl} ({env.FP8_QUANT}): aten ops (no CUDA device)"
+    if impl == "torch":
+        return f"torch ({env.FP8_QUANT}): aten ops"
+    if not fp8_quant.triton_available():
+        return f"{impl} ({env.FP8_QUANT}): aten ops (triton does not import here)"
+    if impl != "auto":
+        return f"{impl} ({env.FP8_QUANT}): forced"
+    if tuple(caps.compute_capability or ()) in fp8_quant.VERIFIED:
+        return f"auto ({env.FP8_QUANT}): Triton kernels (verified on this GPU)"
+    return f"auto ({env.FP8_QUANT}): aten ops (the Triton kernels are not verified on this GPU; =triton forces them)"
+
+
+def _fp8_rows(caps) -> list:
+    from ..diagnostics import DoctorRow as Row
+
+    return [Row("fp8", "quantisation", None, _fp8_quantisation(caps))]
+
+
 def doctor_rows(run_self_test: bool = True) -> list:
     """Every row of the doctor, in display order (``diagnostics.DoctorRow``)."""
     from ..engine import machine
@@ -149,4 +174,5 @@ def doctor_rows(run_self_test: bool = True) -> list:
     rows += _coexistence()
     rows += _self_test(caps, run_self_test)
     rows += _graph_rows(caps)
+    rows += _fp8_rows(caps)
     return rows
