@@ -223,6 +223,15 @@ def backward(grad_out, q, k, v, out, lse, *, descale_q, descale_k, descale_v, de
     return Backward(dq, dk, dv, *amax.unbind())
 
 
+def _device(device) -> torch.device:
+    """``device`` with its index: "cuda" is the current CUDA device, so that ``Recipe.history("cuda")``
+    is the state the kernels update for tensors on ``cuda:0`` (a tensor's device always has one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Recipe:
     """Scaling for ``attention`` (docs/fp8.md says what each guarantees).
 
@@ -265,7 +274,7 @@ class Recipe:
 
     def state(self, device) -> torch.Tensor:
         """This device's (5,) fp32 state: last amax of dQ, dK, dV, dS (0: none yet), re-runs so far."""
-        device = torch.device(device)
+        device = _device(device)
         found = self._states.get(device)
         if found is None:
             found = self._states[device] = torch.zeros(5, dtype=torch.float32, device=device)
@@ -278,7 +287,7 @@ class Recipe:
         dO, dS per dO x V); ``row`` (8,) each one's next row; ``saturated`` (8,): calls whose
         scale would have clipped (q, k, v, dO each; backwards in slot 4) and backwards whose
         scale was more than 16x too small (slot 5)."""
-        device = torch.device(device)
+        device = _device(device)
         found = self._histories.get(device)
         if found is None:
             from .ops import fp8_ops, fp8_quant
@@ -289,7 +298,7 @@ class Recipe:
     def warm(self, device, value: bool | None = None) -> bool:
         """Whether a delayed recipe's backward on ``device`` takes its scales from the history
         (after its first backward with finite gradients); ``value`` sets it."""
-        device = torch.device(device)
+        device = _device(device)
         if value is not None:
             (self._warm.add if value else self._warm.discard)(device)
         return device in self._warm

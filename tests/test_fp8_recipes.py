@@ -218,6 +218,19 @@ def test_recipe_bad_arguments(kwargs, match):
         fp8.Recipe(**kwargs)
 
 
+def test_recipe_state_for_cuda_without_an_index_is_the_current_device_s(monkeypatch):
+    """``recipe.history("cuda")`` (and ``state``, ``warm``) name the current CUDA device: the state the
+    kernels keep for tensors on ``cuda:0``, not a fresh one under a key no tensor has (run 56 found
+    ``history("cuda")`` all zeros after a saturated call on ``cuda:0``)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    recipe = csp.fp8.Recipe(scaling="delayed")
+    recipe.warm("cuda", True)
+    assert recipe.warm(torch.device("cuda", 0)) and recipe.warm("cuda:0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert not recipe.warm("cuda")  # now the current device is cuda:1
+    assert recipe.warm("cpu", True) and recipe.warm(torch.device("cpu"))
+
+
 def test_recipe_reset_forgets_the_history():
     r = fp8.Recipe(scaling="delayed")
     q, k, v, go = attn_inputs(4, 4, 16, torch.float32, seed=90)

@@ -224,9 +224,13 @@ def _capture_body() -> None:
     (k, kg), (v, vg) = (_operand("bhsd", b, h_kv, s_kv, d, gen) for _ in range(2))
     (pq, pqg), (pk, pkg), (pv, pvg), (pgo, pgog) = (_operand("token_major", b, h, s, d, gen)
                                                     for h in (h_q, h_kv, h_kv, h_q))
-    leaves = [t.detach().requires_grad_() for t in (pq, pk, pv)]
 
     def step():
+        # leaves made per step, on the stream that runs it: autograd syncs a gradient with the
+        # stream its leaf's AccumulateGrad node was made on, and a node made on the default
+        # stream during the warm-up makes the capture wait on the legacy stream (run 54:
+        # cudaErrorStreamCaptureImplicit in autograd's engine, with its AccumulateGrad warning)
+        leaves = [t.detach().requires_grad_() for t in (pq, pk, pv)]
         out = csp.attention(q, k, v)
         p_out = csp.attention(*leaves, is_causal=True)
         return out, p_out, torch.autograd.grad(p_out, leaves, pgo)
