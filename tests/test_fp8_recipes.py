@@ -459,6 +459,54 @@ def test_auto_takes_the_triton_kernels_only_on_a_verified_device(monkeypatch):
     assert fp8_quant.choose("auto", OnCuda()) == "triton"
 
 
+def test_auto_falls_back_to_aten_for_good_when_the_triton_kernels_cannot_be_built(monkeypatch, caplog):
+    """Triton builds its launcher with the machine's C compiler at first use: where that fails,
+    ``auto`` quantises with aten ops (same bits, the history updated once), says so once, and no
+    longer picks the kernels; ``triton`` asked for by name raises the error."""
+
+    class Broken:
+        calls = 0
+
+        def _fail(self, *args):
+            Broken.calls += 1
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+        current = delayed = _fail
+
+    monkeypatch.setattr(fp8_quant, "_BROKEN", [])
+    monkeypatch.setattr(fp8_quant, "_triton", lambda: Broken())
+    real_choose = fp8_quant.choose
+    monkeypatch.setattr(fp8_quant, "choose", lambda impl, x: "torch" if fp8_quant._BROKEN else
+                        {"auto": "triton", "triton": "triton"}.get(impl, impl))
+    x = torch.randn(4, 333, generator=gen(5)).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="cudnn_sdpa_provider"):
+        got = fp8_quant.current(x, torch.float8_e4m3fn, impl="auto")
+    want = fp8_quant.current(x, torch.float8_e4m3fn, impl="torch")
+    same_bits(got[0], want[0], "auto after a failed build")
+    assert torch.equal(got[1], want[1]) and Broken.calls == 1
+    assert "the Triton kernels failed here (RuntimeError: Failed to find C compiler" in caplog.text
+    h_auto, h_torch = _history(4), _history(4)
+    for step in range(3):  # the kernels are not tried again, and the history moves one row a call
+        got = fp8_quant.delayed(x * (step + 1), torch.float8_e4m3fn, h_auto, 2, margin=2.0, impl="auto")
+        want = fp8_quant.delayed(x * (step + 1), torch.float8_e4m3fn, h_torch, 2, margin=2.0, impl="torch")
+        same_bits(got[0], want[0], f"delayed step {step}")
+    assert Broken.calls == 1 and torch.equal(h_auto.amax, h_torch.amax) and torch.equal(h_auto.row, h_torch.row)
+    fp8_quant.saturated_total(discard=True)
+    monkeypatch.setattr(fp8_quant, "_BROKEN", [])
+    with pytest.raises(RuntimeError, match="C compiler"):
+        fp8_quant.current(x, torch.float8_e4m3fn, impl="triton")
+
+    class OnCuda:
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(fp8_quant, "choose", real_choose)
+    monkeypatch.setattr(fp8_quant, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_quant.choose("auto", OnCuda()) == "triton"
+    monkeypatch.setattr(fp8_quant, "_BROKEN", ["RuntimeError: no C compiler"])
+    assert fp8_quant.choose("auto", OnCuda()) == "torch" and fp8_quant.choose("triton", OnCuda()) == "triton"
+
+
 @pytest.mark.parametrize("raw, value, warns", [(None, "auto", False), ("", "auto", False), ("Triton", "triton", False),
                                               ("compiled", "compiled", False), ("torch", "torch", False),
                                               ("fast", "auto", True)])
@@ -543,6 +591,7 @@ def test_bench_script_arguments():
     (None, True, False, True, "aten ops (triton does not import here)"),
     (None, True, True, False, "aten ops (the Triton kernels are not verified on this GPU; =triton forces them)"),
     (None, True, True, True, "Triton kernels (verified on this GPU)"),
+    ("broken", True, True, True, "aten ops (the Triton kernels failed here: RuntimeError: no C compiler)"),
     ("triton", True, True, False, "triton (CUDNN_SDPA_PROVIDER_FP8_QUANT): forced"),
     ("torch", True, True, True, "torch (CUDNN_SDPA_PROVIDER_FP8_QUANT): aten ops"),
 ])
@@ -553,7 +602,8 @@ def test_the_doctor_says_which_code_quantises_fp8_inputs_here(monkeypatch, raw, 
     from cudnn_sdpa_provider.tools import doctor
     from tests import fake_cudnn
 
-    if raw is None:
+    monkeypatch.setattr(fp8_quant, "_BROKEN", ["RuntimeError: no C compiler"] if raw == "broken" else [])
+    if raw in (None, "broken"):
         monkeypatch.delenv(env.FP8_QUANT, raising=False)
     else:
         monkeypatch.setenv(env.FP8_QUANT, raw)

@@ -27,8 +27,8 @@ Variable                                              Meaning
 ``CUDNN_SDPA_PROVIDER_FP8_QUANT``                     ``auto`` (default): FP8 quantisation of
                                                       bf16/fp16/fp32 tensors in Triton kernels on
                                                       CUDA where triton imports and the GPU is in
-                                                      ``fp8_quant.VERIFIED``, else in aten
-                                                      ops; ``triton``, ``compiled``
+                                                      ``fp8_quant.VERIFIED`` (sm_90), else
+                                                      in aten ops; ``triton``, ``compiled``
                                                       (torch.compile) or ``torch`` force one
                                                       (``ops.fp8_quant``).
 ====================================================  ==========================================

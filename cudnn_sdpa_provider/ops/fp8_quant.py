@@ -25,15 +25,19 @@ over ``x``, amax then cast; delayed one pass plus a launch that returns at once 
 needs redoing), ``compiled`` (the torch code under ``torch.compile``), ``torch`` (plain aten ops:
 CPU, and the fallback everywhere). ``auto`` (default) is ``triton`` on CUDA where triton imports
 and the device's compute capability is in ``VERIFIED`` (where the GPU tests of the Triton kernels
-passed: bit-equality with ``torch`` on the device, no host sync), else ``torch``. ``VERIFIED`` is
-empty until those tests have run on a GPU; ``triton`` forces the kernels anywhere.
+passed: bit-equality with ``torch`` on the device, the same saturation counts; sm_90), else
+``torch``; ``triton`` forces the kernels anywhere. Under ``auto``, kernels that fail to build
+(triton compiles a launcher with the machine's C compiler at first use) leave a warning and the
+torch path for the rest of the process; asked for by name, the error is raised.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 import threading
+from subprocess import SubprocessError
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +46,12 @@ from ..core import counters, env
 from .fp8_reference import FORMAT_MAX
 
 __all__ = ["IMPLS", "VERIFIED", "UNDER", "History", "current", "delayed", "choose", "dense", "triton_available",
-           "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS"]
+           "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS", "triton_failure"]
 
 IMPLS = ("auto", "triton", "compiled", "torch")
-#: Compute capabilities where ``auto`` picks the Triton kernels: tests/gpu/test_fp8_recipes_gpu.py
-#: passed there (results/gpu-runs.md names the run). None yet.
-VERIFIED: tuple = ()
+#: Compute capabilities where ``auto`` picks the Triton kernels: the bit-equality and saturation-count
+#: tests of tests/gpu/test_fp8_recipes_gpu.py passed there (sm_90: runs 53 and 56, results/gpu-runs.md).
+VERIFIED: tuple = ((9, 0),)
 #: A delayed scale this many times below the current one is redone (values would flush to 0).
 UNDER = 16.0
 _TINY = 1e-30  # amax x margin below this is taken as this (the scale stays a normal fp32 number)
@@ -208,8 +212,43 @@ def choose(impl: str, x: torch.Tensor) -> str:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     fast = x.device.type == "cuda" and triton_available()
     if impl == "auto":
-        return "triton" if fast and torch.cuda.get_device_capability(x.device) in VERIFIED else "torch"
+        usable = fast and not _BROKEN and torch.cuda.get_device_capability(x.device) in VERIFIED
+        return "triton" if usable else "torch"
     return impl if fast else "torch"
+
+
+#: Set when the Triton kernels failed to compile or launch here (a machine without a C compiler,
+#: which triton needs for its launcher, or a triton too old for the kernels): ``auto`` then stays
+#: on the torch path for the rest of the process; ``triton`` asked for by name raises.
+_BROKEN: list = []
+#: What a kernel that cannot be built raises (triton's CompilationError and its C compiler's
+#: errors are RuntimeError / subprocess / OS errors); a CUDA error in a running kernel is none of
+#: these types' business and would be raised again by the torch path's next op anyway.
+_TRITON_ERRORS = (ImportError, RuntimeError, OSError, SubprocessError)
+
+
+def triton_failure() -> str | None:
+    """Why the Triton kernels were given up in this process (``auto``), or None."""
+    return _BROKEN[0] if _BROKEN else None
+
+
+def _triton():
+    from . import fp8_quant_triton
+
+    return fp8_quant_triton
+
+
+def _triton_failed(asked: str, exc: BaseException) -> None:
+    """After the Triton kernels failed before running (nothing written: the first launch compiles):
+    raise for ``triton`` asked for by name, else (``auto``) fall back to the torch path for good,
+    logged once."""
+    if asked != "auto" or isinstance(exc, torch.cuda.OutOfMemoryError):
+        raise exc
+    _BROKEN.append(f"{type(exc).__name__}: {exc}")
+    counters.log_once(("fp8_quant", "triton_broken"), logging.WARNING,
+                      "FP8 quantisation: the Triton kernels failed here (%s: %s); quantising with aten ops "
+                      "from now on (CUDNN_SDPA_PROVIDER_FP8_QUANT=torch skips the attempt)", type(exc).__name__,
+                      str(exc).splitlines()[0] if str(exc) else "")
 
 
 def _check(x, dtype, margin):
@@ -226,11 +265,14 @@ def current(x: torch.Tensor, dtype=torch.float8_e4m3fn, *, margin: float = 1.0, 
     x = x.detach()
     if not dense(x):
         x = x.contiguous()
-    which = choose(impl or env.fp8_quant(), x)
+    asked = impl or env.fp8_quant()
+    which = choose(asked, x)
     if which == "triton":
-        from . import fp8_quant_triton
-
-        return fp8_quant_triton.current(x, dtype, margin)
+        try:
+            return _triton().current(x, dtype, margin)
+        except _TRITON_ERRORS as exc:
+            _triton_failed(asked, exc)
+            which = "torch"
     if which == "compiled":
         return _compiled("current")(x, dtype, margin)
     return _current_torch(x, dtype, margin)
@@ -244,10 +286,12 @@ def delayed(x: torch.Tensor, dtype, history: History, slot: int, *, margin: floa
     if not dense(x):
         x = x.contiguous()
     total = saturation_counter(x.device)
-    which = choose(impl or env.fp8_quant(), x)
+    asked = impl or env.fp8_quant()
+    which = choose(asked, x)
     if which == "triton":
-        from . import fp8_quant_triton
-
-        return fp8_quant_triton.delayed(x, dtype, history, slot, margin, total, UNDER)
+        try:
+            return _triton().delayed(x, dtype, history, slot, margin, total, UNDER)
+        except _TRITON_ERRORS as exc:
+            _triton_failed(asked, exc)
     fn = _compiled("delayed") if which == "compiled" else _delayed_torch
     return fn(x, dtype, history.amax, history.row, history.saturated, total, slot, margin)

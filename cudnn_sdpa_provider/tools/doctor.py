@@ -151,6 +151,8 @@ def _fp8_quantisation(caps) -> str:
         return f"{impl} ({env.FP8_QUANT}): aten ops (triton does not import here)"
     if impl != "auto":
         return f"{impl} ({env.FP8_QUANT}): forced"
+    if fp8_quant.triton_failure():
+        return f"auto ({env.FP8_QUANT}): aten ops (the Triton kernels failed here: {fp8_quant.triton_failure()[:120]})"
     if tuple(caps.compute_capability or ()) in fp8_quant.VERIFIED:
         return f"auto ({env.FP8_QUANT}): Triton kernels (verified on this GPU)"
     return f"auto ({env.FP8_QUANT}): aten ops (the Triton kernels are not verified on this GPU; =triton forces them)"
