@@ -37,8 +37,8 @@ import functools
 import logging
 import struct
 import threading
-from subprocess import SubprocessError
 from dataclasses import dataclass
+from subprocess import SubprocessError
 
 import torch
 
@@ -222,9 +222,10 @@ def choose(impl: str, x: torch.Tensor) -> str:
 #: on the torch path for the rest of the process; ``triton`` asked for by name raises.
 _BROKEN: list = []
 #: What a kernel that cannot be built raises (triton's CompilationError and its C compiler's
-#: errors are RuntimeError / subprocess / OS errors); a CUDA error in a running kernel is none of
-#: these types' business and would be raised again by the torch path's next op anyway.
+#: errors are RuntimeError / subprocess / OS errors). A CUDA error (``torch.AcceleratorError``, an
+#: earlier kernel's fault surfacing here) and running out of memory are raised as they are.
 _TRITON_ERRORS = (ImportError, RuntimeError, OSError, SubprocessError)
+_RAISED_AS_IS = tuple(t for t in (getattr(torch, "AcceleratorError", None), torch.cuda.OutOfMemoryError) if t)
 
 
 def triton_failure() -> str | None:
@@ -242,7 +243,7 @@ def _triton_failed(asked: str, exc: BaseException) -> None:
     """After the Triton kernels failed before running (nothing written: the first launch compiles):
     raise for ``triton`` asked for by name, else (``auto``) fall back to the torch path for good,
     logged once."""
-    if asked != "auto" or isinstance(exc, torch.cuda.OutOfMemoryError):
+    if asked != "auto" or isinstance(exc, _RAISED_AS_IS):
         raise exc
     _BROKEN.append(f"{type(exc).__name__}: {exc}")
     counters.log_once(("fp8_quant", "triton_broken"), logging.WARNING,
