@@ -240,7 +240,7 @@ def _triton():
 
 
 def _triton_failed(asked: str, exc: BaseException) -> None:
-    """After the Triton kernels failed before running (nothing written: the first launch compiles):
+    """After the Triton kernels failed (a build fails before a launch writes anything the torch path reads):
     raise for ``triton`` asked for by name, else (``auto``) fall back to the torch path for good,
     logged once."""
     if asked != "auto" or isinstance(exc, _RAISED_AS_IS):
@@ -273,7 +273,6 @@ def current(x: torch.Tensor, dtype=torch.float8_e4m3fn, *, margin: float = 1.0, 
             return _triton().current(x, dtype, margin)
         except _TRITON_ERRORS as exc:
             _triton_failed(asked, exc)
-            which = "torch"
     if which == "compiled":
         return _compiled("current")(x, dtype, margin)
     return _current_torch(x, dtype, margin)
