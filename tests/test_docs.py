@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -205,6 +206,11 @@ def test_ci_runs_exactly_the_readme_test_command_on_every_torch_version():
     assert ci.endswith("nox -s tests")
     noxfile = (REPO / "noxfile.py").read_text()
     assert 'TORCH = ["2.13.0", "2.14.1", "2.15.0"]' in noxfile and '@nox.parametrize("torch", TORCH)' in noxfile
+    tree = ast.parse(noxfile)
+    values = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name) and t.id in ("TORCH", "NEED_GB")}
+    assert sorted(values["NEED_GB"]) == sorted(values["TORCH"]), "every session checks its disk need"
+    assert "session.skip(" in noxfile and "session.error(" in noxfile and "PIP_NO_CACHE_DIR" in noxfile
 
 
 def test_docs_cite_no_document_outside_the_project():
