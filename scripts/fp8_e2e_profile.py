@@ -8,8 +8,11 @@ call (four sets rotated and refilled outside the timed region):
 
 * wall: milliseconds per call over back-to-back calls, synchronised at both ends (what a training
   step sees when nothing else hides the host);
-* host: milliseconds of CPU per call to issue it (the same loop without the final sync, measured
-  while the GPU still has work queued);
+* host: milliseconds of CPU per call to issue it (the same loop without the final sync, issued
+  behind a long GPU sleep so that the queue never drains), over at most ``QUEUE_LAUNCHES`` kernel
+  launches: a stream holds about a thousand pending launches, and a loop that issues more waits
+  for the sleep to end (run 56's forward+backward "host" of 56 ms was that wait: 106-162 launches
+  per call x 20 calls);
 * kernels: the sum of the call's GPU kernel time (torch.profiler), and its kernels by total time.
 
 When wall is close to host and above kernels, the call is bound by the host; when wall is close to
@@ -33,6 +36,8 @@ import cudnn_sdpa_provider as csp  # noqa: E402
 from cudnn_sdpa_provider.ops import fp8_quant  # noqa: E402
 
 SETS = 4
+#: Launches issued behind the sleep when host time is measured: well below a stream's queue.
+QUEUE_LAUNCHES = 400
 
 
 def _sets(b, h, hk, s, d, gen):
@@ -72,23 +77,25 @@ def measure(path, mode, sets, causal, gqa, calls):
         start = time.perf_counter()
         _loop(call, sets, calls)
         wall = (time.perf_counter() - start) / calls * 1e3
-        # host: issue calls behind a long GPU wait so that the queue never drains
-        torch.cuda._sleep(int(2e9))  # about a second of GPU spin on an H100/H200
-        start = time.perf_counter()
-        _loop(call, sets, calls, sync=False)
-        host = (time.perf_counter() - start) / calls * 1e3
-        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             _loop(call, sets, calls)
-    kernels = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(evt.name, [0, 0.0])
-            kernels[evt.name][0] += 1
-            kernels[evt.name][1] += getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0)
+        kernels = {}
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.setdefault(evt.name, [0, 0.0])
+                kernels[evt.name][0] += 1
+                kernels[evt.name][1] += getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0)
+        launches = sum(c for c, _ in kernels.values()) / calls
+        # host: issue calls behind a long GPU wait, never more launches than the queue holds
+        n = max(1, min(calls, int(QUEUE_LAUNCHES // max(launches, 1.0))))
+        torch.cuda._sleep(int(2e9))  # about a second of GPU spin on an H100/H200
+        start = time.perf_counter()
+        _loop(call, sets, n, sync=False)
+        host = (time.perf_counter() - start) / n * 1e3
+        torch.cuda.synchronize()
     total = sum(t for _, t in kernels.values()) / calls / 1e3
     print(f"{path:8s} {mode:8s} wall {wall:7.3f} ms  host {host:7.3f} ms  kernels {total:7.3f} ms  "
-          f"launches/call {sum(c for c, _ in kernels.values()) / calls:.1f}")
+          f"launches/call {launches:.1f} (host over {n} calls)")
     for name, (count, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:8]:
         print(f"    {t / calls / 1e3:7.3f} ms  x{count / calls:4.1f}  {name[:110]}")
     return wall, host, total
