@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from .core import arguments, scope
-from .ops.fp8_reference import FORMAT_MAX, pow2_scale
+from .ops import fp8_quant
+from .ops.fp8_reference import FORMAT_MAX
 
 SCALINGS = ("delayed", "current")
 #: Amax values a delayed recipe keeps per tensor (Transformer Engine's DelayedScaling keeps 1024 by
@@ -48,9 +49,9 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 #: Scale of the softmax probabilities P (in [0, 1]) before they are stored in FP8.
 DEFAULT_SCALE_S = 256.0
-#: O is stored with scale = largest FP8 value x this / max |V| (P's rounding can push a row of O a
-#: little past max |V|).
-O_HEADROOM = 0.875
+#: O is stored with scale = the largest power of 2 at most largest FP8 value x this / max |V| (P's
+#: rounding can push a row of O a little past max |V|; ``ops.fp8_quant``).
+O_HEADROOM = fp8_quant.O_HEADROOM
 
 
 def _kernels(q):
@@ -342,8 +343,8 @@ def _poison(*descales: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize(t, dtype, recipe: int, slot: int, margin: float, delayed: bool):
-    """An input of ``attention`` in FP8: the recipe's delayed scaling from its history ``slot``, or
-    current scaling at margin 1 (``ops.fp8_ops.quantize``)."""
+    """dO in FP8: the recipe's delayed scaling from its history ``slot``, or current scaling at
+    margin 1 (``ops.fp8_ops.quantize``)."""
     from .ops import fp8_ops
 
     return fp8_ops.quantize(t, dtype, recipe if delayed else 0, slot, margin if delayed else 1.0)
@@ -353,17 +354,16 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seq_q, seq_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback,
                 delayed):
-        q8, descale_q, _ = _quantize(q, E4M3, recipe, 0, margin, delayed)
-        k8, descale_k, _ = _quantize(k, E4M3, recipe, 1, margin, delayed)
-        v8, descale_v, amax_v = _quantize(v, E4M3, recipe, 2, margin, delayed)
-        scale_o = pow2_scale(amax_v / O_HEADROOM, FORMAT_MAX[E4M3]).reshape(1)
-        out8, lse, _ = _kernels(q8)[0](q8, k8, v8, descale_q, descale_k, descale_v, scale_o, seq_q, seq_kv, scale,
-                                      scale_s, is_causal, True, fallback)
-        descale_o = 1.0 / scale_o
-        poison = _poison(descale_q, descale_k, descale_v)
-        ctx.save_for_backward(q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, seq_q, seq_kv, poison)
+        from .ops import fp8_ops
+
+        # current scaling at margin 1, or the recipe's delayed scaling (``Recipe``)
+        f = fp8_ops.quantize_inputs(q, k, v, E4M3, recipe if delayed else 0, margin if delayed else 1.0)
+        out8, lse, _ = _kernels(f.q8)[0](f.q8, f.k8, f.v8, f.descale_q, f.descale_k, f.descale_v, f.scale_o, seq_q,
+                                         seq_kv, scale, scale_s, is_causal, True, fallback)
+        ctx.save_for_backward(f.q8, f.k8, f.v8, out8, lse, f.descale_q, f.descale_k, f.descale_v, f.descale_o, seq_q,
+                              seq_kv, f.poison)
         ctx.options = (recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, q.dtype, delayed)
-        return out8.to(q.dtype) * (descale_o + poison).to(q.dtype)
+        return fp8_ops.dequantize(out8, f.out_factor, q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -415,6 +415,118 @@ def test_triton_kernels_give_the_torch_path_s_bits():
     assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
 
+def check_grouped_bits(dtype, fmt):
+    """The kernels that quantise q, k, v together (``fp8_quant_triton.inputs``, interpreted, integer
+    cast) against the torch path one tensor at a time with ``fp8_quant.forward_factors``: stored
+    bits, the seven factors, and under delayed scaling the history and counters after every step of
+    a sequence with a first call, jumps, drops, a NaN, an all-zero v and sizes that differ; and
+    ``dequantize`` against ``x.to(dtype) * factor.to(dtype)`` on all 256 e4m3fn bit patterns."""
+    tri = _interpreted_triton()
+    inputs = hard_inputs(13, dtype, fmt)
+
+    def compare(got, want, what):
+        for i, name in enumerate(("q8", "k8", "v8")):
+            same_bits(got[i], getattr(want, name), f"{what} {name}")
+        for i, name in enumerate(fp8_quant.FACTORS):
+            same_value(got[3][i, :1], getattr(want, name).reshape(1).float(), f"{what} {name}")
+
+    for i in range(len(inputs) - 2):
+        q, k, v = (x if fp8_quant.dense(x) else x.contiguous() for x in inputs[i:i + 3])
+        for margin in (1.0, 2.0):
+            want = fp8_quant.attention_inputs(q, k, v, fmt, margin=margin, impl="torch")
+            compare(tri.inputs(q, k, v, fmt, margin, soft_cast=True), want, f"current {i} margin {margin}")
+    h_torch, h_tri = _history(4), _history(4)
+    total = torch.zeros(1, dtype=torch.int32)
+    g = gen(14)
+    steps = [(1, 1, 1), (1, 1, 1), (40, 1, 1), (1, 1e-4, 1), (1, 1, 1), (1, float("nan"), 1), (1, 1, 0), (3, 3, 3)]
+    for step, mags in enumerate(steps):
+        q, k, v = ((torch.randn(2, 3 + j, 333, generator=g) * m).to(dtype) for j, m in enumerate(mags))
+        want = fp8_quant.attention_inputs(q, k, v, fmt, h_torch, first=2, margin=2.0, impl="torch")
+        compare(tri.inputs(q, k, v, fmt, 2.0, h_tri, 2, total, fp8_quant.UNDER, soft_cast=True), want,
+                f"delayed step {step}")
+        for field in ("amax", "row", "saturated"):
+            assert torch.equal(getattr(h_tri, field), getattr(h_torch, field)), f"step {step}: {field}"
+    assert h_tri.saturated[2].item() == 1 and total.item() == 1
+    every = torch.arange(256, dtype=torch.uint8).view(E4M3).reshape(16, 16)
+    for factor in (1.0, 2.0**-9, 2.0**-20, 2.0**-26, 2.0**60, float("nan")):
+        f = torch.tensor([factor])
+        got = tri.dequantize(every, f, dtype, soft_cast=True)
+        want = every.to(dtype) * f.to(dtype)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), f"dequantize x {factor}: NaN at other places"
+        same = (got == want) | torch.isnan(want)
+        assert same.all() and torch.equal(torch.signbit(got[~torch.isnan(got)]), torch.signbit(want[~torch.isnan(want)])), \
+            f"dequantize x {factor}: {got[~same][:4].tolist()} vs {want[~same][:4].tolist()}"
+
+
+def test_grouped_kernels_give_the_torch_path_s_bits():
+    """``check_grouped_bits`` for bf16/fp16/fp32 into e4m3 and e5m2, in a fresh interpreter
+    (skipped without triton)."""
+    pytest.importorskip("triton")
+    code = ("import torch; from tests.test_fp8_recipes import check_grouped_bits as c\n"
+            "for d in (torch.bfloat16, torch.float16, torch.float32):\n"
+            "    for f in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
+            "        c(d, f)\n"
+            "print('bits equal')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def compile_kernels_for(arch: int) -> list:
+    """Every Triton kernel of ``fp8_quant_triton`` compiled (not run) for ``sm_{arch}`` with the
+    hardware cast, bf16 input: triton compiles without a GPU, so a kernel that does not build for
+    the device fails here, not in a user's first FP8 call. Returns the kernels' names."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cudnn_sdpa_provider.ops import fp8_quant_triton as m
+
+    tops = dict(TOP_EXP=135, TOP_MANT=0x600000)  # 448 = 1.75 x 2^8
+    three = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "nq": "i32", "nk": "i32", "nv": "i32", "bq": "i32",
+             "bk": "i32"}
+    kernels = [
+        (m._amax_kernel, {"x_ptr": "*bf16", "n": "i32", "amax_ptr": "*i32"}, {}),
+        (m._delayed_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "n": "i32", "hist_ptr": "*fp32", "rows": "i32",
+                             "hist_stride": "i32", "margin": "fp32", "scale_ptr": "*fp32", "amax_ptr": "*i32"},
+         dict(ROWS=16, E5M2=False, SOFT=False, **tops)),
+        (m._cast_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "n": "i32", "amax_ptr": "*i32", "margin": "fp32",
+                          "descale_ptr": "*fp32", "scale_ptr": "*fp32", "hist_ptr": "*fp32", "rows": "i32",
+                          "hist_stride": "i32", "row_ptr": "*i32", "sat_ptr": "*i32", "total_ptr": "*i32",
+                          "under": "fp32", "top": "fp32"}, dict(DELAYED=True, E5M2=False, SOFT=False, **tops)),
+        (m._amax3_kernel, {**three, "amax_ptr": "*i32"}, {}),
+        (m._delayed3_kernel, {**three, "q8_ptr": "*u8", "k8_ptr": "*u8", "v8_ptr": "*u8", "hist_ptr": "*fp32",
+                              "rows": "i32", "hist_stride": "i32", "margin": "fp32", "used_ptr": "*fp32",
+                              "amax_ptr": "*i32"}, dict(ROWS=16, E5M2=False, SOFT=False, **tops)),
+        (m._finish3_kernel, {**three, "q8_ptr": "*u8", "k8_ptr": "*u8", "v8_ptr": "*u8", "amax_ptr": "*i32",
+                             "used_ptr": "*fp32", "margin": "fp32", "factors_ptr": "*fp32", "hist_ptr": "*fp32",
+                             "rows": "i32", "hist_stride": "i32", "row_ptr": "*i32", "sat_ptr": "*i32",
+                             "total_ptr": "*i32", "under": "fp32", "top": "fp32"},
+         dict(DELAYED=True, O_EXP=135, O_MANT=0x440000, E5M2=False, SOFT=False, **tops)),
+        (m._dequant_kernel, {"x_ptr": "*u8", "out_ptr": "*bf16", "n": "i32", "factor_ptr": "*fp32"}, dict(SOFT=False)),
+    ]
+    done = []
+    for fn, signature, constants in kernels:
+        constants = {"BLOCK": m.BLOCK, **constants}
+        signature = {**signature, **{name: "constexpr" for name in constants}}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+        assert compiled.asm.get("cubin"), fn.__name__
+        done.append(fn.__name__)
+    return done
+
+
+def test_the_triton_kernels_compile_for_sm90():
+    """``compile_kernels_for(90)`` in a fresh interpreter without ``TRITON_INTERPRET`` (skipped
+    without triton)."""
+    pytest.importorskip("triton")
+    code = "from tests.test_fp8_recipes import compile_kernels_for as c; print('compiled', *c(90))"
+    env_ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=env_)
+    assert done.returncode == 0 and "_finish3_kernel" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_the_compiled_path_gives_the_torch_path_s_bits():
     torch._dynamo.reset()
     for x in hard_inputs(12, torch.bfloat16)[:4]:
@@ -457,6 +569,49 @@ def test_auto_takes_the_triton_kernels_only_on_a_verified_device(monkeypatch):
     assert fp8_quant.choose("auto", OnCuda()) == "torch"
     monkeypatch.setattr(fp8_quant, "VERIFIED", ((9, 0),))
     assert fp8_quant.choose("auto", OnCuda()) == "triton"
+
+
+def test_the_grouped_kernels_run_under_auto_only_where_verified(monkeypatch):
+    """``grouped``: the kernels for q, k, v together need ``choose`` to give triton and, under
+    ``auto``, the device in ``GROUPED_VERIFIED`` as well; ``triton`` forces them; CPU never."""
+
+    class OnCuda:
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(fp8_quant, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8_quant, "VERIFIED", ((9, 0),))
+    monkeypatch.setattr(fp8_quant, "GROUPED_VERIFIED", ())
+    assert [fp8_quant.grouped(i, OnCuda()) for i in fp8_quant.IMPLS] == [False, True, False, False]
+    monkeypatch.setattr(fp8_quant, "GROUPED_VERIFIED", ((9, 0),))
+    assert fp8_quant.grouped("auto", OnCuda()) and not fp8_quant.grouped("auto", torch.zeros(1))
+    monkeypatch.setattr(fp8_quant, "VERIFIED", ())
+    assert not fp8_quant.grouped("auto", OnCuda()), "the grouped kernels are Triton kernels: VERIFIED first"
+
+
+def test_attention_inputs_on_the_torch_path_are_the_tensors_one_at_a_time_and_forward_factors():
+    """``attention_inputs`` (CPU: the torch path) gives each tensor what ``current`` / ``delayed``
+    give it alone, and factors: O's scale the largest power of 2 at most 392 / max |V| (1 for an
+    all-zero V), descale_o its inverse, poison NaN exactly when q, k or v is not finite."""
+    g = gen(21)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=g).bfloat16() * m for m in (1.0, 3.0, 0.01))
+    f = fp8_quant.attention_inputs(q, k, v, E4M3, margin=1.0)
+    for x, stored, descale in ((q, f.q8, f.descale_q), (k, f.k8, f.descale_k), (v, f.v8, f.descale_v)):
+        alone = fp8_quant.current(x, E4M3, impl="torch")
+        same_bits(stored, alone[0])
+        same_value(descale, alone[1])
+    amax_v = v.float().abs().max().item()
+    assert f.scale_o.item() == pow2_at_most(392.0 / amax_v) and f.descale_o.item() == 1.0 / f.scale_o.item()
+    assert f.poison.item() == 0.0 and f.out_factor.item() == f.descale_o.item()
+    assert fp8_quant.attention_inputs(q, k, torch.zeros_like(v), E4M3).scale_o.item() == 1.0
+    h = _history(4)
+    fp8_quant.attention_inputs(q, k, v, E4M3, h, first=0, margin=2.0)
+    assert torch.equal(h.row[:3], torch.ones(3, dtype=torch.int32)) and (h.amax[0, :3] > 0).all() and h.row[3] == 0
+    bad = k.clone()
+    bad[1, 2, 3, 4] = float("inf")
+    f = fp8_quant.attention_inputs(q, bad, v, E4M3)
+    assert torch.isnan(f.poison).all() and torch.isnan(f.out_factor).all() and torch.isnan(f.descale_k).all()
+    assert not torch.isnan(f.descale_o).any(), "O's own scale comes from V alone"
 
 
 def test_auto_falls_back_to_aten_for_good_when_the_triton_kernels_cannot_be_built(monkeypatch, caplog):
@@ -590,14 +745,17 @@ def test_bench_script_arguments():
     (None, False, True, True, "aten ops (no CUDA device)"),
     (None, True, False, True, "aten ops (triton does not import here)"),
     (None, True, True, False, "aten ops (the Triton kernels are not verified on this GPU; =triton forces them)"),
-    (None, True, True, True, "Triton kernels (verified on this GPU)"),
+    (None, True, True, True, "Triton kernels, one tensor at a time (verified on this GPU; the kernels for q, k, v "
+                             "together are not yet: =triton forces them)"),
+    (None, True, True, "grouped", "Triton kernels, q, k, v together (verified on this GPU)"),
     ("broken", True, True, True, "aten ops (the Triton kernels failed here: RuntimeError: no C compiler)"),
-    ("triton", True, True, False, "triton (CUDNN_SDPA_PROVIDER_FP8_QUANT): forced"),
+    ("triton", True, True, False, "triton (CUDNN_SDPA_PROVIDER_FP8_QUANT): forced (q, k, v together)"),
     ("torch", True, True, True, "torch (CUDNN_SDPA_PROVIDER_FP8_QUANT): aten ops"),
 ])
 def test_the_doctor_says_which_code_quantises_fp8_inputs_here(monkeypatch, raw, cuda, triton, verified, says):
-    """The doctor's [fp8] row follows ``choose``: auto takes the Triton kernels only on a verified
-    GPU where triton imports; a forced value is said as forced."""
+    """The doctor's [fp8] row follows ``choose`` and ``grouped``: auto takes the Triton kernels only
+    on a verified GPU where triton imports, and the grouped ones only where those are verified too;
+    a forced value is said as forced."""
     from cudnn_sdpa_provider.engine import machine
     from cudnn_sdpa_provider.tools import doctor
     from tests import fake_cudnn
@@ -611,5 +769,6 @@ def test_the_doctor_says_which_code_quantises_fp8_inputs_here(monkeypatch, raw, 
     monkeypatch.setattr(machine, "capabilities", lambda device_index=None: caps)
     monkeypatch.setattr(fp8_quant, "triton_available", lambda: triton)
     monkeypatch.setattr(fp8_quant, "VERIFIED", ((9, 0),) if verified else ())
+    monkeypatch.setattr(fp8_quant, "GROUPED_VERIFIED", ((9, 0),) if verified == "grouped" else ())
     rows = {(r.section, r.label): r.value for r in doctor.doctor_rows(run_self_test=False)}
     assert rows[("fp8", "quantisation")].endswith(says), rows[("fp8", "quantisation")]

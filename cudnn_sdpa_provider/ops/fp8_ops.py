@@ -41,8 +41,8 @@ from . import fp8_quant, fp8_reference, dense_varlen as ops, route
 from ..core import layout, scope, support
 from ..engine.binding import tensor_key
 
-__all__ = ["fp8_fwd", "fp8_bwd", "fp8_quantize", "quantize", "problem", "kernels", "register", "ATTEMPTS", "E4M3_MAX",
-           "GRAD_SLOTS"]
+__all__ = ["fp8_fwd", "fp8_bwd", "fp8_quantize", "quantize", "quantize_inputs", "dequantize", "problem", "kernels",
+           "register", "ATTEMPTS", "E4M3_MAX", "GRAD_SLOTS"]
 
 E4M3_MAX = fp8_reference.FORMAT_MAX[torch.float8_e4m3fn]
 ATTEMPTS = 4
@@ -320,6 +320,26 @@ def quantize(x: Tensor, dtype: torch.dtype, recipe: int = 0, slot: int = 0, marg
     if ops.eager(x):
         return _quantize(x.detach(), dtype, recipe, slot, margin)
     return torch.ops.cudnn_sdpa.fp8_quantize(x, dtype, recipe, slot, margin)
+
+
+def quantize_inputs(q: Tensor, k: Tensor, v: Tensor, dtype: torch.dtype, recipe: int = 0,
+                    margin: float = 1.0) -> fp8_quant.Inputs:
+    """q, k, v in FP8 with the forward's factors (``fp8_quant.attention_inputs``): current scaling at
+    ``margin`` without a recipe (0), else the recipe's delayed scaling from its history slots 0-2.
+    Plain eager tensors go to ``attention_inputs`` directly (where ``fp8_quant.grouped``, three
+    tensors in two launches); others (compiling, tracing, fake tensors) through ``fp8_quantize``."""
+    if ops.eager(q, k, v):
+        history = _holder(recipe).history(q.device) if recipe else None
+        return fp8_quant.attention_inputs(q, k, v, dtype, history, margin=margin)
+    (q8, dq, _), (k8, dk, _), (v8, dv, amax_v) = (torch.ops.cudnn_sdpa.fp8_quantize(x, dtype, recipe, slot, margin)
+                                                  for slot, x in enumerate((q, k, v)))
+    return fp8_quant.Inputs(q8, k8, v8, dq, dk, dv, *fp8_quant.forward_factors(dq, dk, dv, amax_v))
+
+
+def dequantize(x: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype) * factor.to(dtype)``: one Triton pass on plain eager tensors where
+    ``fp8_quant.grouped``, aten ops otherwise (and always while compiling or tracing)."""
+    return fp8_quant.dequantize(x, factor, dtype, impl=None if ops.eager(x) else "torch")
 
 
 _KERNELS = {"fwd": {"cuda": _fp8_fwd_cuda, "cpu": _fp8_fwd_cpu}, "bwd": {"cuda": _fp8_bwd_cuda, "cpu": _fp8_bwd_cpu}}

@@ -29,6 +29,13 @@ passed: bit-equality with ``torch`` on the device, the same saturation counts; s
 ``torch``; ``triton`` forces the kernels anywhere. Under ``auto``, kernels that fail to build
 (triton compiles a launcher with the machine's C compiler at first use) leave a warning and the
 torch path for the rest of the process; asked for by name, the error is raised.
+
+``attention_inputs`` quantises q, k and v for ``csp.fp8.attention`` with the forward's factors
+(``Inputs``: O's scale from max |V| and ``O_HEADROOM``, the descales, a NaN poison for non-finite
+input). Where ``grouped`` (Triton, and under ``auto`` a ``GROUPED_VERIFIED`` device) the three
+tensors take two launches in all, the second writing the factors, and ``dequantize`` turns the
+output back in one; elsewhere each tensor is quantised alone and ``forward_factors`` computes the
+factors with aten ops. Both give the same bits (tests/test_fp8_recipes.py).
 """
 
 from __future__ import annotations
@@ -39,21 +46,32 @@ import struct
 import threading
 from dataclasses import dataclass
 from subprocess import SubprocessError
+from typing import NamedTuple
 
 import torch
 
 from ..core import counters, env
 from .fp8_reference import FORMAT_MAX
 
-__all__ = ["IMPLS", "VERIFIED", "UNDER", "History", "current", "delayed", "choose", "dense", "triton_available",
-           "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS", "triton_failure"]
+__all__ = ["IMPLS", "VERIFIED", "GROUPED_VERIFIED", "UNDER", "O_HEADROOM", "FACTORS", "History", "Inputs", "current",
+           "delayed", "attention_inputs", "forward_factors", "dequantize", "choose", "grouped", "dense",
+           "triton_available", "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS", "triton_failure"]
 
 IMPLS = ("auto", "triton", "compiled", "torch")
 #: Compute capabilities where ``auto`` picks the Triton kernels: the bit-equality and saturation-count
 #: tests of tests/gpu/test_fp8_recipes_gpu.py passed there (sm_90: runs 53 and 56, results/gpu-runs.md).
 VERIFIED: tuple = ((9, 0),)
+#: Compute capabilities where ``auto`` also takes the kernels that quantise q, k and v together and
+#: turn the output back (``attention_inputs``, ``dequantize``: 4 launches instead of about 35, the
+#: forward's host cost). Empty until the GPU tests have passed on them; ``triton`` forces them.
+GROUPED_VERIFIED: tuple = ()
 #: A delayed scale this many times below the current one is redone (values would flush to 0).
 UNDER = 16.0
+#: O is stored with scale = the largest power of 2 at most (largest FP8 value x this) / max |V|
+#: (P's rounding can push a row of O a little past max |V|: |O| <= max |V| otherwise).
+O_HEADROOM = 0.875
+#: The forward's factors (``Inputs``), in the order the grouped kernel writes them.
+FACTORS = ("descale_q", "descale_k", "descale_v", "scale_o", "descale_o", "poison", "out_factor")
 _TINY = 1e-30  # amax x margin below this is taken as this (the scale stays a normal fp32 number)
 
 
@@ -119,10 +137,11 @@ def _bits(value: float) -> tuple[int, int]:
 TOP_BITS = {dtype: _bits(top) for dtype, top in FORMAT_MAX.items()}
 
 
-def pow2_below(b: torch.Tensor, dtype) -> torch.Tensor:
+def pow2_below(b: torch.Tensor, dtype, top: float | None = None) -> torch.Tensor:
     """The largest power of 2 at most top / ``b`` (fp32 ``b`` >= 1e-30, finite), exactly: from the
-    exponent and mantissa bits of ``b`` and top, so no rounding of log2 or of a division moves it."""
-    top_exp, top_mant = TOP_BITS[dtype]
+    exponent and mantissa bits of ``b`` and top (``dtype``'s largest value unless ``top`` is given),
+    so no rounding of log2 or of a division moves it."""
+    top_exp, top_mant = TOP_BITS[dtype] if top is None else _bits(top)
     bits = b.float().view(torch.int32)
     exp = (bits >> 23) & 0xFF
     over = ((bits & 0x7FFFFF) > top_mant).to(torch.int32)
@@ -295,3 +314,81 @@ def delayed(x: torch.Tensor, dtype, history: History, slot: int, *, margin: floa
             _triton_failed(asked, exc)
     fn = _compiled("delayed") if which == "compiled" else _delayed_torch
     return fn(x, dtype, history.amax, history.row, history.saturated, total, slot, margin)
+
+
+# ------------------------------------------------------------------ the forward's inputs together
+class Inputs(NamedTuple):
+    """What ``csp.fp8.attention``'s forward needs from bf16 q, k, v: q8, k8, v8 in FP8, their
+    descales, O's scale (``O_HEADROOM``) and descale, ``poison`` (0, or NaN when q, k or v held an inf
+    or NaN: added to the factors that turn results back, it makes them NaN whatever a kernel does with
+    NaN operands) and ``out_factor`` = descale_o + poison; each factor a (1,) fp32 tensor."""
+
+    q8: torch.Tensor
+    k8: torch.Tensor
+    v8: torch.Tensor
+    descale_q: torch.Tensor
+    descale_k: torch.Tensor
+    descale_v: torch.Tensor
+    scale_o: torch.Tensor
+    descale_o: torch.Tensor
+    poison: torch.Tensor
+    out_factor: torch.Tensor
+
+
+def forward_factors(descale_q, descale_k, descale_v, amax_v) -> tuple:
+    """(scale_o, descale_o, poison, out_factor), (1,) fp32 each, from the descales and max |V| (aten ops)."""
+    amax_v = amax_v.float().reshape(1)
+    top = FORMAT_MAX[torch.float8_e4m3fn] * O_HEADROOM
+    scale_o = pow2_below(amax_v.clamp(min=_TINY), torch.float8_e4m3fn, top)
+    scale_o = torch.where((amax_v > 0) & torch.isfinite(amax_v), scale_o, 1.0)
+    descale_o = 1.0 / scale_o
+    bad = torch.isnan(torch.cat([d.reshape(1).float() for d in (descale_q, descale_k, descale_v)])).any()
+    poison = torch.where(bad, float("nan"), 0.0).reshape(1)
+    return scale_o, descale_o, poison, descale_o + poison
+
+
+def grouped(impl: str, x: torch.Tensor) -> bool:
+    """Whether ``impl`` takes the grouped kernels (``attention_inputs``, ``dequantize``) for ``x``:
+    the Triton implementation, and under ``auto`` only on a ``GROUPED_VERIFIED`` device."""
+    if choose(impl, x) != "triton":
+        return False
+    return impl == "triton" or torch.cuda.get_device_capability(x.device) in GROUPED_VERIFIED
+
+
+def attention_inputs(q, k, v, dtype=torch.float8_e4m3fn, history: History | None = None, *, first: int = 0,
+                     margin: float = 1.0, impl: str | None = None) -> Inputs:
+    """q, k, v in FP8 with the forward's factors (``Inputs``): each as ``current`` at ``margin``
+    (``history`` None) or ``delayed`` from ``history``'s slots ``first``, ``first`` + 1, ``first`` + 2,
+    with the bits, descales and history updates those give one tensor at a time. Where ``grouped``,
+    in two Triton launches for the three tensors with the factors written by the second; else one
+    tensor at a time and ``forward_factors``."""
+    for x in (q, k, v):
+        _check(x, dtype, margin)
+    q, k, v = (x.detach() if dense(x) else x.detach().contiguous() for x in (q, k, v))
+    asked = impl or env.fp8_quant()
+    if grouped(asked, q):
+        try:
+            total = saturation_counter(q.device) if history is not None else None
+            q8, k8, v8, factors, _ = _triton().inputs(q, k, v, dtype, margin, history, first, total, UNDER,
+                                                      FORMAT_MAX[torch.float8_e4m3fn] * O_HEADROOM)
+            return Inputs(q8, k8, v8, *(factors[i, :1] for i in range(len(FACTORS))))
+        except _TRITON_ERRORS as exc:
+            _triton_failed(asked, exc)
+    if history is None:
+        done = [current(x, dtype, margin=margin, impl=asked) for x in (q, k, v)]
+    else:
+        done = [delayed(x, dtype, history, first + i, margin=margin, impl=asked) for i, x in enumerate((q, k, v))]
+    (q8, dq, _), (k8, dk, _), (v8, dv, amax_v) = done
+    return Inputs(q8, k8, v8, dq, dk, dv, *forward_factors(dq, dk, dv, amax_v))
+
+
+def dequantize(x: torch.Tensor, factor: torch.Tensor, dtype, *, impl: str | None = None) -> torch.Tensor:
+    """float8_e4m3fn ``x`` x ``factor`` ((1,) fp32) in ``dtype``: the bits of
+    ``x.to(dtype) * factor.to(dtype)``, in one Triton pass where ``grouped``."""
+    asked = impl or env.fp8_quant()
+    if dense(x) and grouped(asked, x):
+        try:
+            return _triton().dequantize(x, factor, dtype)
+        except _TRITON_ERRORS as exc:
+            _triton_failed(asked, exc)
+    return x.to(dtype) * factor.to(dtype)

@@ -150,11 +150,15 @@ def _fp8_quantisation(caps) -> str:
     if not fp8_quant.triton_available():
         return f"{impl} ({env.FP8_QUANT}): aten ops (triton does not import here)"
     if impl != "auto":
-        return f"{impl} ({env.FP8_QUANT}): forced"
+        return f"{impl} ({env.FP8_QUANT}): forced" + (" (q, k, v together)" if impl == "triton" else "")
     if fp8_quant.triton_failure():
         return f"auto ({env.FP8_QUANT}): aten ops (the Triton kernels failed here: {fp8_quant.triton_failure()[:120]})"
-    if tuple(caps.compute_capability or ()) in fp8_quant.VERIFIED:
-        return f"auto ({env.FP8_QUANT}): Triton kernels (verified on this GPU)"
+    cc = tuple(caps.compute_capability or ())
+    if cc in fp8_quant.VERIFIED:
+        if cc in fp8_quant.GROUPED_VERIFIED:
+            return f"auto ({env.FP8_QUANT}): Triton kernels, q, k, v together (verified on this GPU)"
+        return (f"auto ({env.FP8_QUANT}): Triton kernels, one tensor at a time (verified on this GPU; the kernels "
+                f"for q, k, v together are not yet: =triton forces them)")
     return f"auto ({env.FP8_QUANT}): aten ops (the Triton kernels are not verified on this GPU; =triton forces them)"
 
 
