@@ -334,14 +334,6 @@ class Recipe:
 _DEFAULT = Recipe(_pinned=True)
 
 
-def _poison(*descales: torch.Tensor) -> torch.Tensor:
-    """(1,) fp32: 0, or NaN when one of the tensors these descales belong to held an inf or NaN
-    (``_current`` gives it a NaN descale). Added to the factors that turn FP8 results back into
-    real values, it makes the whole output and every gradient NaN whatever a kernel does with NaN
-    operands (a max that skips NaN would hide it), without a host-device sync."""
-    return sum(d.reshape(1).float() for d in descales) * 0.0
-
-
 def _quantize(t, dtype, recipe: int, slot: int, margin: float, delayed: bool):
     """dO in FP8: the recipe's delayed scaling from its history ``slot``, or current scaling at
     margin 1 (``ops.fp8_ops.quantize``)."""
@@ -373,9 +365,9 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv, used, _ = _kernels(q8)[1](do8, q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o,
                                              descale_do, None, recipe, seq_q, seq_kv, scale, scale_s, margin,
                                              is_causal, fallback)
-        descale = (1.0 / used + poison + _poison(descale_do)).to(dtype)
-        grads = tuple(g.to(dtype) * descale[i] for i, g in enumerate((dq, dk, dv)))
-        return grads + (None,) * 10
+        from .ops import fp8_ops
+
+        return fp8_ops.dequantize_grads(dq, dk, dv, used, poison, descale_do, dtype) + (None,) * 10
 
 
 def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens_kv=None, recipe=None):

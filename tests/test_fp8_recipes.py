@@ -472,14 +472,79 @@ def test_grouped_kernels_give_the_torch_path_s_bits():
     assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
 
+def check_grad_twins(dtype, device="cpu", soft_cast=True):
+    """``fp8_grad_triton`` (interpreted) against ``fp8_ops``' aten code, bit for bit, over a sequence
+    of warm delayed backwards: the gradient scales and units from a history and this call's
+    descales (a jump, a NaN descale), then the books after amax values that fit, clip (dS too),
+    flush, are 0 or NaN: the history, its rows, the saturation counts and ``stats()``'s counter; and
+    ``dequantize_grads`` (one launch for dq, dk, dv) against ``grad_factors`` and aten, NaN poison
+    and a NaN dO descale included. On the CPU, run with TRITON_INTERPRET=1 set before triton is
+    imported (``soft_cast``: the integer FP8 decoding); tests/gpu runs it on the device."""
+    from cudnn_sdpa_provider.ops import fp8_grad_triton as tri_grad
+    from cudnn_sdpa_provider.ops import fp8_quant_triton as tri
+
+    h = [fp8_quant.History.zeros(4, 8, device) for _ in range(2)]
+    for hist in h:
+        hist.amax[:, 4:8] = torch.tensor([[3.0, 0.5, 2.0, 7.0], [1.0, 9.0, 0.25, 1.5], [0, 0, 0, 0], [2.5, 2.5, 1, 4]],
+                                         device=device)
+    counter = fp8_quant.saturation_counter(h[0].amax.device)  # the device with its index, as the kernels key it
+    g = gen(31)
+    nan = float("nan")
+    steps = [(1.0, 1.0, 1.0, 1.0), (2.0**-3, 1.0, 4.0, 1.0), (1.0, nan, 1.0, 1.0), (2.0**10, 2.0**-7, 1.0, 2.0**4)]
+    amax_over = [(0.3, 0.9, 0.5, 0.7), (1.5, 0.2, 0.9, 2.5), (0.0, 1e-5, nan, 0.5), (0.99, 1.01, 1e-4, 0.1)]
+    for step, (dq_, dk_, dv_, ddo_) in enumerate(steps):
+        descales = [torch.tensor([x], device=device) for x in (dq_, dk_, dv_, 0.5, ddo_)]
+        use_t, unit_t = fp8_ops._grad_scales(h[0], descales, 2.0)
+        use_g, unit_g = tri_grad.grad_scales(h[1], descales, 2.0)
+        same_value(use_g.contiguous(), use_t, f"step {step} scales")
+        assert torch.equal(unit_g, unit_t) or torch.isnan(unit_t).any(), f"step {step} unit"
+        for i, over in enumerate(amax_over):
+            amax = (torch.tensor(over, device=device) * 448.0 / use_t).float()
+            before = counter.clone()
+            fp8_ops._grad_books(h[0], amax, use_t, unit_t, descales, 2.0)
+            torch_counted = (counter - before).item()
+            before = counter.clone()
+            tri_grad.grad_books(h[1], amax, use_g, unit_g, descales, 2.0)
+            assert (counter - before).item() == torch_counted, f"step {step} amax {i}: stats() count"
+            for field in ("amax", "row", "saturated"):
+                assert torch.equal(getattr(h[1], field), getattr(h[0], field)), f"step {step} amax {i}: {field}"
+    assert h[0].saturated[4].item() >= 2 and h[0].saturated[5].item() >= 1, "clipped and flushed calls were met"
+    grads = [torch.randint(0, 256, (n, 7), generator=g, dtype=torch.uint8).view(E4M3).to(device)
+             for n in (300, 1, 2000)]
+    for use, poison, ddo in [((2.0**-4, 2.0**6, 1.0, 8.0), 0.0, 1.0), ((2.0**-20, 2.0**-30, 2.0**20, 1.0), 0.0, 1.0),
+                             ((1.0, 1.0, 1.0, 1.0), nan, 1.0), ((1.0, 2.0, 4.0, 1.0), 0.0, nan)]:
+        use = torch.tensor([[u, 0, 0, 0] for u in use], device=device)[:, 0]  # one 16-byte row each
+        poison, ddo = torch.tensor([poison], device=device), torch.tensor([ddo], device=device)
+        got = tri.dequantize_grads(*grads, use, poison, ddo, dtype, soft_cast=soft_cast)
+        factor = fp8_ops.grad_factors(use, poison, ddo).to(dtype)
+        for i, (a, x) in enumerate(zip(got, grads)):
+            want = x.to(dtype) * factor[i]
+            assert a.dtype == dtype and torch.equal(torch.isnan(a), torch.isnan(want)), f"grad {i}: NaN places"
+            finite = ~torch.isnan(want)
+            assert torch.equal(a[finite], want[finite]), f"grad {i} at {use.tolist()}: values differ"
+
+
+def test_the_backward_s_triton_twins_give_the_aten_code_s_bits():
+    """``check_grad_twins`` for bf16/fp16/fp32 outputs, in a fresh interpreter (skipped without triton)."""
+    pytest.importorskip("triton")
+    code = ("import torch; from tests.test_fp8_recipes import check_grad_twins as c\n"
+            "for d in (torch.bfloat16, torch.float16, torch.float32):\n"
+            "    c(d)\n"
+            "print('bits equal')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def compile_kernels_for(arch: int) -> list:
-    """Every Triton kernel of ``fp8_quant_triton`` compiled (not run) for ``sm_{arch}`` with the
+    """Every Triton kernel of ``fp8_quant_triton`` and ``fp8_grad_triton`` compiled (not run) for ``sm_{arch}`` with the
     hardware cast, bf16 input: triton compiles without a GPU, so a kernel that does not build for
     the device fails here, not in a user's first FP8 call. Returns the kernels' names."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from cudnn_sdpa_provider.ops import fp8_grad_triton as g
     from cudnn_sdpa_provider.ops import fp8_quant_triton as m
 
     tops = dict(TOP_EXP=135, TOP_MANT=0x600000)  # 448 = 1.75 x 2^8
@@ -504,10 +569,25 @@ def compile_kernels_for(arch: int) -> list:
                              "total_ptr": "*i32", "under": "fp32", "top": "fp32"},
          dict(DELAYED=True, O_EXP=135, O_MANT=0x440000, E5M2=False, SOFT=False, **tops)),
         (m._dequant_kernel, {"x_ptr": "*u8", "out_ptr": "*bf16", "n": "i32", "factor_ptr": "*fp32"}, dict(SOFT=False)),
+        (m._dequant3_kernel, {"q_ptr": "*u8", "k_ptr": "*u8", "v_ptr": "*u8", "oq_ptr": "*bf16", "ok_ptr": "*bf16",
+                              "ov_ptr": "*bf16", "nq": "i32", "nk": "i32", "nv": "i32", "bq": "i32", "bk": "i32",
+                              "use_ptr": "*fp32", "use_stride": "i32", "poison_ptr": "*fp32", "ddo_ptr": "*fp32"},
+         dict(SOFT=False)),
+        (g._grad_scales_kernel, {"hist_ptr": "*fp32", "rows": "i32", "hist_stride": "i32", "dq_ptr": "*fp32",
+                                 "dk_ptr": "*fp32", "dv_ptr": "*fp32", "ddo_ptr": "*fp32", "margin": "fp32",
+                                 "use_ptr": "*fp32", "unit_ptr": "*fp64"},
+         dict(ROWS=16, FIRST=4, TOP_EXP=135, TOP_MANT=0x600000, BLOCK=None)),
+        (g._grad_books_kernel, {"amax_ptr": "*fp32", "use_ptr": "*fp32", "use_stride": "i32", "unit_ptr": "*fp64",
+                                "dq_ptr": "*fp32", "dk_ptr": "*fp32", "dv_ptr": "*fp32", "do_ptr": "*fp32",
+                                "ddo_ptr": "*fp32", "margin": "fp32", "under": "fp32", "inv_top": "fp32",
+                                "hist_ptr": "*fp32", "rows": "i32", "hist_stride": "i32", "row_ptr": "*i32",
+                                "sat_ptr": "*i32", "total_ptr": "*i32"}, dict(FIRST=4, BLOCK=None)),
     ]
     done = []
     for fn, signature, constants in kernels:
         constants = {"BLOCK": m.BLOCK, **constants}
+        if constants["BLOCK"] is None:  # a single-program kernel without blocks
+            del constants["BLOCK"]
         signature = {**signature, **{name: "constexpr" for name in constants}}
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
                                   target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})

@@ -23,7 +23,8 @@ A recipe with ``scaling="delayed"`` keeps an amax history (``Recipe.history``, `
 ``fp8_bwd``, after the recipe's first backward on a device (the adaptive one above, which starts
 the history), takes its scales from it (slots 4-7: amax per unit of the operands' descales,
 ``_predicted``), runs once and records this call's amax, with no host sync; a call whose scale
-clipped is counted, not re-run.
+clipped is counted, not re-run. Those scales and books are ``_grad_scales`` / ``_grad_books`` in
+aten ops, or their single-program Triton twins (``fp8_grad_triton``) where ``fp8_quant.grouped``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from torch import Tensor
 
 from ..engine import fp8_cudnn
 from . import fp8_quant, fp8_reference, dense_varlen as ops, route
-from ..core import layout, scope, support
+from ..core import env, layout, scope, support
 from ..engine.binding import tensor_key
 
-__all__ = ["fp8_fwd", "fp8_bwd", "fp8_quantize", "quantize", "quantize_inputs", "dequantize", "problem", "kernels",
+__all__ = ["fp8_fwd", "fp8_bwd", "fp8_quantize", "quantize", "quantize_inputs", "dequantize", "dequantize_grads", "grad_factors",
+           "problem", "kernels",
            "register", "ATTEMPTS", "E4M3_MAX", "GRAD_SLOTS"]
 
 E4M3_MAX = fp8_reference.FORMAT_MAX[torch.float8_e4m3fn]
@@ -158,8 +160,14 @@ def _fp8_fwd_fake(q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, 
 
 
 def _scales_from(amax: Tensor, margin: float) -> Tensor:
-    """Scales (powers of 2) that keep ``margin`` x ``amax`` within float8_e4m3fn; 1 where amax is 0."""
-    return fp8_reference.pow2_scale(amax.float() * margin, E4M3_MAX)
+    """Scales that keep ``margin`` x ``amax`` within float8_e4m3fn: the largest power of 2 at most
+    448 / (margin x amax), exactly (``fp8_quant.pow2_below``); 1 where that is 0 or not finite."""
+    b = amax.float() * margin
+    return torch.where(torch.isfinite(b) & (b > 0), fp8_quant.pow2_below(b.clamp(min=1e-30), torch.float8_e4m3fn), 1.0)
+
+
+#: over = amax x scale x this: an output's largest stored magnitude over the format's top (> 1: clipped).
+_INV_TOP = 1.0 / E4M3_MAX
 
 
 def _per_unit(descales) -> Tensor:
@@ -193,6 +201,61 @@ def _record(history, amax: Tensor, unit: Tensor, finite: Tensor, saturated: Tens
     fp8_quant.saturation_counter(amax.device).add_(saturated.to(torch.int32))
 
 
+def _grad_scales(history, descales, margin: float) -> tuple[Tensor, Tensor]:
+    """A warm delayed recipe's (scales (4,) fp32 for dQ, dK, dV, dS; unit (4,) fp64): ``_predicted``
+    at this call's ``_per_unit``, x ``margin`` (aten ops; ``fp8_grad_triton.grad_scales`` is its twin)."""
+    unit = _per_unit(descales)
+    return _scales_from(_predicted(history, unit), margin), unit
+
+
+def _grad_books(history, amax: Tensor, use: Tensor, unit: Tensor, descales, margin: float) -> None:
+    """After a warm delayed backward at scales ``use`` with amax ``amax`` (dQ, dK, dV, dS): the
+    history's next row (``_record``), a clipped call counted, and one whose scale was more than
+    ``UNDER`` times too small (as the current recipe's re-run test) counted as flushed; nothing
+    recorded for non-finite operands (aten ops; ``fp8_grad_triton.grad_books`` is its twin)."""
+    finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
+    ok = finite & torch.isfinite(amax)
+    over = amax * use * _INV_TOP
+    # a clipped dS makes dQ and dK (and their amax) smaller by up to its overshoot: record them as if not
+    seen = amax * torch.cat([over[3:].clamp(min=1.0).expand(2), over.new_ones(2)])
+    flushed = ok & (amax > 0) & (over * margin * UNDER < 1)
+    _record(history, seen, unit, ok, (ok & (over > 1)).any(), flushed.any())
+
+
+def _fused(q: Tensor) -> str | None:
+    """The asked implementation when a warm delayed backward on ``q`` takes ``fp8_grad_triton``
+    (where ``fp8_quant.grouped``), else None."""
+    asked = env.fp8_quant()
+    return asked if fp8_quant.grouped(asked, q) else None
+
+
+def _warm_scales(q: Tensor, history, descales, margin: float):
+    """``_grad_scales`` or its Triton twin (``_fused``; a kernel that cannot be built falls back to
+    the aten ops as ``fp8_quant`` does)."""
+    asked = _fused(q)
+    if asked:
+        try:
+            from . import fp8_grad_triton
+
+            return fp8_grad_triton.grad_scales(history, descales, margin)
+        except fp8_quant.TRITON_ERRORS as exc:
+            fp8_quant.triton_failed(asked, exc)
+    return _grad_scales(history, descales, margin)
+
+
+def _warm_books(q: Tensor, history, amax, use, unit, descales, margin: float) -> None:
+    """``_grad_books`` or its Triton twin, as ``_warm_scales``."""
+    asked = _fused(q)
+    if asked:
+        try:
+            from . import fp8_grad_triton
+
+            return fp8_grad_triton.grad_books(history, amax, use, unit, descales, margin)
+        except fp8_quant.TRITON_ERRORS as exc:
+            fp8_quant.triton_failed(asked, exc)
+    return _grad_books(history, amax, use, unit, descales, margin)
+
+
 def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q, seq_len_kv, scale, scale_s, margin,
          is_causal, fallback):
     holder = _holder(recipe)
@@ -211,18 +274,13 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
         # an operand with an inf or NaN (a NaN descale, fp8._current) makes every gradient NaN: no
         # scale can fix that, so no re-run, and its amax (NaN, or whatever a kernel's max made of
         # NaN) must not become the recipe's state for the next calls (issue #29)
-        finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
         if delayed and holder.warm(q.device):  # scales from the history; checked on the device only
-            history, unit = holder.history(q.device), _per_unit(descales)
-            use = _scales_from(_predicted(history, unit), margin)
+            history = holder.history(q.device)
+            use, unit = _warm_scales(q, history, descales, margin)
             dq, dk, dv, amax = once(use)
-            ok = finite & torch.isfinite(amax)
-            over = amax * use / E4M3_MAX
-            # a clipped dS makes dQ and dK (and their amax) smaller by up to its overshoot: record them as if not
-            seen = amax * torch.cat([over[3:].clamp(min=1.0).expand(2), over.new_ones(2)])
-            flushed = ok & (amax > 0) & (over * margin * UNDER < 1)  # as the current recipe's re-run test
-            _record(history, seen, unit, ok, (ok & (over > 1)).any(), flushed.any())
+            _warm_books(q, history, amax, use, unit, descales, margin)
             return dq, dk, dv, use, amax
+        finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
         for attempt in range(ATTEMPTS if state is not None else 1):
             dq, dk, dv, amax = once(use)
             if state is None:
@@ -340,6 +398,32 @@ def dequantize(x: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
     """``x.to(dtype) * factor.to(dtype)``: one Triton pass on plain eager tensors where
     ``fp8_quant.grouped``, aten ops otherwise (and always while compiling or tracing)."""
     return fp8_quant.dequantize(x, factor, dtype, impl=None if ops.eager(x) else "torch")
+
+
+def grad_factors(use: Tensor, poison: Tensor, descale_do: Tensor) -> Tensor:
+    """(4,) fp32: what dQ, dK, dV (and dS) stored at scales ``use`` are multiplied by to turn back:
+    1 / scale, NaN where the forward's operands (``poison``) or dO (its descale) were not finite."""
+    return 1.0 / use + poison + descale_do.reshape(1).float() * 0.0
+
+
+def dequantize_grads(dq: Tensor, dk: Tensor, dv: Tensor, use: Tensor, poison: Tensor, descale_do: Tensor,
+                     dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in ``dtype`` at ``grad_factors``: one Triton launch for the three on plain eager
+    tensors where ``fp8_quant.grouped``, aten ops otherwise (the same bits)."""
+    asked = env.fp8_quant()
+    if ops.eager(dq, dk, dv) and all(fp8_quant.dense(t) for t in (dq, dk, dv)) and fp8_quant.grouped(asked, dq):
+        try:
+            return _quant_triton().dequantize_grads(dq, dk, dv, use, poison, descale_do, dtype)
+        except fp8_quant.TRITON_ERRORS as exc:
+            fp8_quant.triton_failed(asked, exc)
+    factor = grad_factors(use, poison, descale_do).to(dtype)
+    return tuple(g.to(dtype) * factor[i] for i, g in enumerate((dq, dk, dv)))
+
+
+def _quant_triton():
+    from . import fp8_quant_triton
+
+    return fp8_quant_triton
 
 
 _KERNELS = {"fwd": {"cuda": _fp8_fwd_cuda, "cpu": _fp8_fwd_cpu}, "bwd": {"cuda": _fp8_bwd_cuda, "cpu": _fp8_bwd_cpu}}

@@ -55,7 +55,8 @@ from .fp8_reference import FORMAT_MAX
 
 __all__ = ["IMPLS", "VERIFIED", "GROUPED_VERIFIED", "UNDER", "O_HEADROOM", "FACTORS", "History", "Inputs", "current",
            "delayed", "attention_inputs", "forward_factors", "dequantize", "choose", "grouped", "dense",
-           "triton_available", "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS", "triton_failure"]
+           "triton_available", "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS", "triton_failure",
+           "triton_failed", "TRITON_ERRORS"]
 
 IMPLS = ("auto", "triton", "compiled", "torch")
 #: Compute capabilities where ``auto`` picks the Triton kernels: the bit-equality and saturation-count
@@ -243,7 +244,7 @@ _BROKEN: list = []
 #: What a kernel that cannot be built raises (triton's CompilationError and its C compiler's
 #: errors are RuntimeError / subprocess / OS errors). A CUDA error (``torch.AcceleratorError``, an
 #: earlier kernel's fault surfacing here) and running out of memory are raised as they are.
-_TRITON_ERRORS = (ImportError, RuntimeError, OSError, SubprocessError)
+TRITON_ERRORS = (ImportError, RuntimeError, OSError, SubprocessError)
 _RAISED_AS_IS = tuple(t for t in (getattr(torch, "AcceleratorError", None), torch.cuda.OutOfMemoryError) if t)
 
 
@@ -258,7 +259,7 @@ def _triton():
     return fp8_quant_triton
 
 
-def _triton_failed(asked: str, exc: BaseException) -> None:
+def triton_failed(asked: str, exc: BaseException) -> None:
     """After the Triton kernels failed (a build fails before a launch writes anything the torch path reads):
     raise for ``triton`` asked for by name, else (``auto``) fall back to the torch path for good,
     logged once."""
@@ -290,8 +291,8 @@ def current(x: torch.Tensor, dtype=torch.float8_e4m3fn, *, margin: float = 1.0, 
     if which == "triton":
         try:
             return _triton().current(x, dtype, margin)
-        except _TRITON_ERRORS as exc:
-            _triton_failed(asked, exc)
+        except TRITON_ERRORS as exc:
+            triton_failed(asked, exc)
     if which == "compiled":
         return _compiled("current")(x, dtype, margin)
     return _current_torch(x, dtype, margin)
@@ -310,8 +311,8 @@ def delayed(x: torch.Tensor, dtype, history: History, slot: int, *, margin: floa
     if which == "triton":
         try:
             return _triton().delayed(x, dtype, history, slot, margin, total, UNDER)
-        except _TRITON_ERRORS as exc:
-            _triton_failed(asked, exc)
+        except TRITON_ERRORS as exc:
+            triton_failed(asked, exc)
     fn = _compiled("delayed") if which == "compiled" else _delayed_torch
     return fn(x, dtype, history.amax, history.row, history.saturated, total, slot, margin)
 
@@ -372,8 +373,8 @@ def attention_inputs(q, k, v, dtype=torch.float8_e4m3fn, history: History | None
             q8, k8, v8, factors, _ = _triton().inputs(q, k, v, dtype, margin, history, first, total, UNDER,
                                                       FORMAT_MAX[torch.float8_e4m3fn] * O_HEADROOM)
             return Inputs(q8, k8, v8, *(factors[i, :1] for i in range(len(FACTORS))))
-        except _TRITON_ERRORS as exc:
-            _triton_failed(asked, exc)
+        except TRITON_ERRORS as exc:
+            triton_failed(asked, exc)
     if history is None:
         done = [current(x, dtype, margin=margin, impl=asked) for x in (q, k, v)]
     else:
@@ -389,6 +390,6 @@ def dequantize(x: torch.Tensor, factor: torch.Tensor, dtype, *, impl: str | None
     if dense(x) and grouped(asked, x):
         try:
             return _triton().dequantize(x, factor, dtype)
-        except _TRITON_ERRORS as exc:
-            _triton_failed(asked, exc)
+        except TRITON_ERRORS as exc:
+            triton_failed(asked, exc)
     return x.to(dtype) * factor.to(dtype)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .fp8_reference import FORMAT_MAX
 
-__all__ = ["current", "delayed", "inputs", "dequantize", "BLOCK"]
+__all__ = ["current", "delayed", "inputs", "dequantize", "dequantize_grads", "BLOCK"]
 
 BLOCK = 8192
 _WARPS = 8
@@ -290,14 +290,35 @@ def _fp8_value(bits, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_kernel(x_ptr, out_ptr, n, factor_ptr, BLOCK: tl.constexpr, SOFT: tl.constexpr):
-    """out = x (float8_e4m3fn bits) x factor in out's dtype: the bits of ``x.to(dtype) * factor.to(dtype)``
-    (an FP8 value is exact in bf16, fp16 and fp32; the product of two exact values rounded once)."""
-    f = tl.load(factor_ptr).to(out_ptr.dtype.element_ty).to(tl.float32)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _dequant_block(x_ptr, out_ptr, n, block, factor, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+    """One block of out = x (float8_e4m3fn bits) x factor (fp32) in out's dtype: the bits of
+    ``x.to(dtype) * factor.to(dtype)`` (an FP8 value is exact in bf16, fp16 and fp32; the product of
+    two exact values rounded once)."""
+    f = factor.to(out_ptr.dtype.element_ty).to(tl.float32)
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = _fp8_value(tl.load(x_ptr + offs, mask=mask, other=0), SOFT)
     tl.store(out_ptr + offs, (x * f).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(x_ptr, out_ptr, n, factor_ptr, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+    _dequant_block(x_ptr, out_ptr, n, tl.program_id(0), tl.load(factor_ptr), BLOCK, SOFT)
+
+
+@triton.jit
+def _dequant3_kernel(q_ptr, k_ptr, v_ptr, oq_ptr, ok_ptr, ov_ptr, nq, nk, nv, bq, bk, use_ptr, use_stride, poison_ptr,
+                     ddo_ptr, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+    """dq, dk, dv (e4m3fn bits) turned back in one launch: each x (1 / its scale + poison + descale_dO
+    x 0) in the output's dtype, the bits of ``fp8_ops.grad_factors`` then ``x.to(dtype) * factor``."""
+    t, block = _which(tl.program_id(0), bq, bk)
+    factor = tl.div_rn(1.0, tl.load(use_ptr + t * use_stride)) + tl.load(poison_ptr) + tl.load(ddo_ptr) * 0.0
+    if t == 0:
+        _dequant_block(q_ptr, oq_ptr, nq, block, factor, BLOCK, SOFT)
+    elif t == 1:
+        _dequant_block(k_ptr, ok_ptr, nk, block, factor, BLOCK, SOFT)
+    else:
+        _dequant_block(v_ptr, ov_ptr, nv, block, factor, BLOCK, SOFT)
 
 
 def _bits(value: float) -> tuple[int, int]:
@@ -397,3 +418,21 @@ def dequantize(x: torch.Tensor, factor: torch.Tensor, dtype, soft_cast: bool = F
                                                    out.as_strided((n,), (1,)), n, factor, BLOCK=BLOCK,
                                                    SOFT=soft_cast, num_warps=_WARPS)
     return out
+
+
+def dequantize_grads(dq, dk, dv, use, poison, descale_do, dtype, soft_cast: bool = False):
+    """dq, dk, dv (float8_e4m3fn, dense) turned back into ``dtype`` in one launch, each x its factor
+    from ``use`` (its scale, one of the first three elements), ``poison`` and ``descale_do``
+    (``fp8_ops.grad_factors``); the outputs keep the inputs' strides."""
+    outs, flats, ns = [], [], []
+    for x in (dq, dk, dv):
+        out = torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=x.device)
+        n = x.numel()
+        outs.append(out)
+        flats += [x.view(torch.uint8).as_strided((n,), (1,)), out.as_strided((n,), (1,))]
+        ns.append(n)
+    bq, bk, bv = (max(triton.cdiv(n, BLOCK), 1) for n in ns)
+    _dequant3_kernel[(bq + bk + bv,)](flats[0], flats[2], flats[4], flats[1], flats[3], flats[5], *ns, bq, bk, use,
+                                      use.stride(0), poison, descale_do, BLOCK=BLOCK, SOFT=soft_cast,
+                                      num_warps=_WARPS)
+    return tuple(outs)

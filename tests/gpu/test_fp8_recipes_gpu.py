@@ -188,6 +188,16 @@ def test_grouped_kernels_give_the_torch_path_s_bits_on_the_device(dtype, soft):
                                                                       torch.signbit(want[finite])), f"x {factor}"
 
 
+@pytest.mark.parametrize("soft", [False, True], ids=["gpu_cast", "integer_cast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_the_backward_s_triton_twins_give_the_aten_code_s_bits_on_the_device(dtype, soft):
+    """tests/test_fp8_recipes.py's ``check_grad_twins`` on the device: the warm delayed backward's
+    gradient scales and books, and dq, dk, dv turned back in one launch, as the aten code."""
+    from tests.test_fp8_recipes import check_grad_twins
+
+    check_grad_twins(dtype, device=DEV, soft_cast=soft)
+
+
 def test_forced_triton_attention_matches_the_torch_path(monkeypatch):
     """``csp.fp8.attention`` with ``CUDNN_SDPA_PROVIDER_FP8_QUANT=triton`` (q, k, v together, the
     output turned back in one pass) gives the torch path's output bit for bit under both recipes
