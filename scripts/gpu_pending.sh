@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# What results/gpu-runs.md lists as "not run on the GPU with the final code", in device-call-sized
+# stages (each well under 10 minutes on an H100/H200), so that a session with device time runs
+# them in a few calls. Writes <stage>.txt (and JSON where a bench writes it) to $OUT.
+#
+#   OUT=/tmp/out bash scripts/gpu_pending.sh fp8      # issue #30: the grouped Triton kernels' device
+#                                                     # tests, the FP8 GPU tests with them forced, the
+#                                                     # end-to-end host breakdown (auto vs forced), the bench
+#   OUT=/tmp/out bash scripts/gpu_pending.sh shapes   # issue #28: new_length, decode calls, hf_generate,
+#                                                     # hf_dynamic_padding, the shapes and folded tests
+#   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
+#                                                     # (run it after swapping in a newer cuDNN: issue #27)
+#
+# Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
+set -u
+stage=${1:?usage: gpu_pending.sh fp8|shapes|tier}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+fe=${FRONTEND:-1.32.0}
+site=${SITE_ROOT:-/tmp}/csp-fe-$fe
+if [ ! -d "$site/cudnn" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/nvidia_cudnn_frontend-"$fe"-*.whl \
+    || { echo "gpu_pending: cannot install nvidia-cudnn-frontend $fe from .whl/" >&2; exit 2; }
+fi
+export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+log="$OUT/$stage.txt"
+status=0
+run() {  # run NAME COMMAND...: a section of the log; a failing command marks the stage failed, the rest still run
+  echo "===== $1 ($(date -u +%H:%M:%S))" | tee -a "$log"
+  shift
+  timeout "${STEP_TIMEOUT:-420}" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { status=1; echo "===== exit $rc" | tee -a "$log"; }
+}
+versions="print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'frontend', cudnn.__version__,"
+versions="$versions 'backend', cudnn.backend_version(), torch.cuda.get_device_name())"
+python3 -c "import torch, cudnn; $versions" | tee "$log"
+case "$stage" in
+  fp8)
+    run grouped_kernels_on_device python3 -m pytest tests/gpu/test_fp8_recipes_gpu.py --gpu -q -p no:cacheprovider \
+      -k "grouped or twins or forced_triton or triton_kernels"
+    run fp8_tests_forced env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 -m pytest tests/gpu/test_fp8.py \
+      tests/gpu/test_fp8_recipes_gpu.py --gpu -q -p no:cacheprovider
+    run e2e_auto python3 scripts/fp8_e2e_profile.py --calls 20
+    run e2e_grouped env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 scripts/fp8_e2e_profile.py --calls 20 --cprofile 20
+    run bench_fp8_grouped env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 -m cudnn_sdpa_provider bench --shapes fp8 \
+      --repeats 10 --warmup 3 --json "$OUT/bench-fp8.json"
+    ;;
+  shapes)
+    run shapes_tests python3 -m pytest tests/gpu/test_shapes.py tests/gpu/test_folded_gpu.py \
+      tests/gpu/test_packed_buckets.py --gpu -q -p no:cacheprovider
+    for path in provider native flash; do
+      run "new_length_$path" python3 scripts/bench_shapes.py new_length "$path"
+    done
+    run decode_calls python3 scripts/decode_profile.py calls --steps 64
+    run hf_all python3 scripts/bench_shapes.py all --json "$OUT/shapes.json"
+    ;;
+  tier)
+    run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \
+      tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
+    ;;
+  *)
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, tier)" >&2
+    exit 2
+    ;;
+esac
+echo "===== stage $stage: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a "$log"
+exit $status
