@@ -435,18 +435,25 @@ def check_grouped_bits(dtype, fmt):
         for margin in (1.0, 2.0):
             want = fp8_quant.attention_inputs(q, k, v, fmt, margin=margin, impl="torch")
             compare(tri.inputs(q, k, v, fmt, margin, soft_cast=True), want, f"current {i} margin {margin}")
-    h_torch, h_tri = _history(4), _history(4)
-    total = torch.zeros(1, dtype=torch.int32)
-    g = gen(14)
     steps = [(1, 1, 1), (1, 1, 1), (40, 1, 1), (1, 1e-4, 1), (1, 1, 1), (1, float("nan"), 1), (1, 1, 0), (3, 3, 3)]
-    for step, mags in enumerate(steps):
-        q, k, v = ((torch.randn(2, 3 + j, 333, generator=g) * m).to(dtype) for j, m in enumerate(mags))
-        want = fp8_quant.attention_inputs(q, k, v, fmt, h_torch, first=2, margin=2.0, impl="torch")
-        compare(tri.inputs(q, k, v, fmt, 2.0, h_tri, 2, total, fp8_quant.UNDER, soft_cast=True), want,
-                f"delayed step {step}")
-        for field in ("amax", "row", "saturated"):
-            assert torch.equal(getattr(h_tri, field), getattr(h_torch, field)), f"step {step}: {field}"
-    assert h_tri.saturated[2].item() == 1 and total.item() == 1
+    # 5 rows: the ring wraps; 20: rows past the first 16 of the kernel's row load (row 17 holds the largest)
+    for rows in (5, 20):
+        h_torch, h_tri = _history(rows), _history(rows)
+        if rows == 20:
+            for hist in (h_torch, h_tri):
+                hist.amax[17, 2:5] = 6.0
+        total = torch.zeros(1, dtype=torch.int32)
+        g = gen(14)
+        for step, mags in enumerate(steps):  # q, k of 2-3 blocks, v of one: sizes differ
+            shapes = [(2, 3, 3333), (2, 4, 3333), (1, 3, 333)]
+            q, k, v = ((torch.randn(*shape, generator=g) * m).to(dtype) for shape, m in zip(shapes, mags))
+            want = fp8_quant.attention_inputs(q, k, v, fmt, h_torch, first=2, margin=2.0, impl="torch")
+            compare(tri.inputs(q, k, v, fmt, 2.0, h_tri, 2, total, fp8_quant.UNDER, soft_cast=True), want,
+                    f"{rows} rows, delayed step {step}")
+            for field in ("amax", "row", "saturated"):
+                assert torch.equal(getattr(h_tri, field), getattr(h_torch, field)), f"step {step}: {field}"
+        assert h_tri.saturated[2:5].sum().item() == total.item() >= 1
+        assert h_torch.row[2].item() == len(steps) % rows
     every = torch.arange(256, dtype=torch.uint8).view(E4M3).reshape(16, 16)
     for factor in (1.0, 2.0**-9, 2.0**-20, 2.0**-26, 2.0**60, float("nan")):
         f = torch.tensor([factor])
@@ -490,14 +497,26 @@ def check_grad_twins(dtype, device="cpu", soft_cast=True):
     counter = fp8_quant.saturation_counter(h[0].amax.device)  # the device with its index, as the kernels key it
     g = gen(31)
     nan = float("nan")
-    steps = [(1.0, 1.0, 1.0, 1.0), (2.0**-3, 1.0, 4.0, 1.0), (1.0, nan, 1.0, 1.0), (2.0**10, 2.0**-7, 1.0, 2.0**4)]
-    amax_over = [(0.3, 0.9, 0.5, 0.7), (1.5, 0.2, 0.9, 2.5), (0.0, 1e-5, nan, 0.5), (0.99, 1.01, 1e-4, 0.1)]
-    for step, (dq_, dk_, dv_, ddo_) in enumerate(steps):
-        descales = [torch.tensor([x], device=device) for x in (dq_, dk_, dv_, 0.5, ddo_)]
+    # descales of q, k, v, o, dO: plain, a jump, NaN in k, in o, in dO; tiny ones (the recorded amax per
+    # unit overflows: clamped to 3e38) and huge ones (the predicted amax is clamped)
+    steps = [(1.0, 1.0, 1.0, 0.5, 1.0), (2.0**-3, 1.0, 4.0, 0.5, 1.0), (1.0, nan, 1.0, 0.5, 1.0),
+             (1.0, 1.0, 1.0, nan, 1.0), (1.0, 1.0, 1.0, 0.5, nan), (2.0**10, 2.0**-7, 1.0, 0.5, 2.0**4),
+             (2.0**-60, 2.0**-60, 2.0**-60, 0.5, 2.0**-60), (2.0**60, 2.0**60, 2.0**60, 0.5, 2.0**60),
+             (1.0, 1.0, 1.0, 0.5, 1.0)]
+    # amax x scale / 448 per output: fit, clip (dS too), 0, flushed, NaN, just under and over the top, and
+    # 0.04, flushed without the margin (2) but not with it
+    amax_over = [(0.3, 0.9, 0.5, 0.7), (1.5, 0.2, 0.9, 2.5), (0.0, 1e-5, nan, 0.5), (0.99, 1.01, 1e-4, 0.1),
+                 (0.04, 0.04, 0.04, 0.04)]
+    clamped = False
+    for step, step_descales in enumerate(steps):
+        descales = [torch.tensor([x], device=device) for x in step_descales]
+        at_margin_1 = fp8_ops._grad_scales(h[0], descales, 1.0)[0]  # a predicted amax clamped to 3e38 stays finite
+        same_value(tri_grad.grad_scales(h[1], descales, 1.0)[0].contiguous(), at_margin_1, f"step {step} margin 1")
         use_t, unit_t = fp8_ops._grad_scales(h[0], descales, 2.0)
         use_g, unit_g = tri_grad.grad_scales(h[1], descales, 2.0)
         same_value(use_g.contiguous(), use_t, f"step {step} scales")
-        assert torch.equal(unit_g, unit_t) or torch.isnan(unit_t).any(), f"step {step} unit"
+        assert torch.equal(torch.isnan(unit_g), torch.isnan(unit_t)), f"step {step} unit: NaN places"
+        assert torch.equal(unit_g[~torch.isnan(unit_t)], unit_t[~torch.isnan(unit_t)]), f"step {step} unit"
         for i, over in enumerate(amax_over):
             amax = (torch.tensor(over, device=device) * 448.0 / use_t).float()
             before = counter.clone()
@@ -508,12 +527,18 @@ def check_grad_twins(dtype, device="cpu", soft_cast=True):
             assert (counter - before).item() == torch_counted, f"step {step} amax {i}: stats() count"
             for field in ("amax", "row", "saturated"):
                 assert torch.equal(getattr(h[1], field), getattr(h[0], field)), f"step {step} amax {i}: {field}"
+        clamped |= bool((h[0].amax[:, 4:8] == torch.tensor(3e38)).any())
     assert h[0].saturated[4].item() >= 2 and h[0].saturated[5].item() >= 1, "clipped and flushed calls were met"
+    assert clamped, "an amax per unit that overflows was met (clamped to 3e38)"
     grads = [torch.randint(0, 256, (n, 7), generator=g, dtype=torch.uint8).view(E4M3).to(device)
              for n in (300, 1, 2000)]
     for use, poison, ddo in [((2.0**-4, 2.0**6, 1.0, 8.0), 0.0, 1.0), ((2.0**-20, 2.0**-30, 2.0**20, 1.0), 0.0, 1.0),
-                             ((1.0, 1.0, 1.0, 1.0), nan, 1.0), ((1.0, 2.0, 4.0, 1.0), 0.0, nan)]:
-        use = torch.tensor([[u, 0, 0, 0] for u in use], device=device)[:, 0]  # one 16-byte row each
+                             ((1.0, 1.0, 1.0, 1.0), nan, 1.0), ((1.0, 2.0, 4.0, 1.0), 0.0, nan),
+                             ((2.0**3, 2.0**-5, 2.0**7, 1.0), 0.0, 1.0)]:
+        if use[0] == 2.0**3:  # a contiguous (4,), as the current recipe's backward gives
+            use = torch.tensor(use, device=device)
+        else:  # one 16-byte row each, as grad_scales gives
+            use = torch.tensor([[u, 0, 0, 0] for u in use], device=device)[:, 0]
         poison, ddo = torch.tensor([poison], device=device), torch.tensor([ddo], device=device)
         got = tri.dequantize_grads(*grads, use, poison, ddo, dtype, soft_cast=soft_cast)
         factor = fp8_ops.grad_factors(use, poison, ddo).to(dtype)
@@ -534,6 +559,43 @@ def test_the_backward_s_triton_twins_give_the_aten_code_s_bits():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def check_compiled_warm_delayed_backward():
+    """A warm delayed recipe's backward through the Triton twins (interpreted, on CPU tensors standing
+    in for CUDA ones) under torch.compile with inductor: the ``fp8_bwd`` op's outputs must have the
+    strides its fake kernel gives (inductor asserts them); the gradients equal eager's."""
+    from cudnn_sdpa_provider.ops import fp8_ops
+
+    fp8_ops._fused = lambda q: "triton"  # as under CUDNN_SDPA_PROVIDER_FP8_QUANT=triton on a GPU
+    g = gen(41)
+    q, k, v, go = (torch.randn(2, 8, 16, 32, generator=g) for _ in range(4))
+    recipe = fp8.Recipe(scaling="delayed")
+
+    def step(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward(go)
+        return [t.grad for t in leaves]
+
+    def attend(a, b, c):
+        return fp8.attention(a, b, c, recipe=recipe)
+
+    step(attend)
+    assert recipe.warm("cpu"), "the next backwards take the history (the Triton twins)"
+    eager = step(attend)
+    torch._dynamo.reset()
+    for name, a, b in zip(("dq", "dk", "dv"), step(torch.compile(attend, backend="inductor")), eager):
+        assert rel_error(a, b)[0] < 0.02, f"{name}: {rel_error(a, b)}"
+
+
+def test_a_compiled_warm_delayed_backward_through_the_triton_twins():
+    """``check_compiled_warm_delayed_backward`` in a fresh interpreter (skipped without triton)."""
+    pytest.importorskip("triton")
+    code = ("from tests.test_fp8_recipes import check_compiled_warm_delayed_backward as c\n"
+            "c()\nprint('compiled ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "compiled ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def compile_kernels_for(arch: int) -> list:
@@ -669,6 +731,16 @@ def test_the_grouped_kernels_run_under_auto_only_where_verified(monkeypatch):
     assert not fp8_quant.grouped("auto", OnCuda()), "the grouped kernels are Triton kernels: VERIFIED first"
 
 
+def test_attention_inputs_and_dequantize_reject_what_they_cannot_take():
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"first must leave three history slots \(0 to 5\), got 6"):
+        fp8_quant.attention_inputs(x, x, x, E4M3, _history(4), first=6)
+    with pytest.raises(ValueError, match="margin must be >= 1"):
+        fp8_quant.attention_inputs(x, x, x, E4M3, margin=0.5)
+    with pytest.raises(TypeError, match="x must be float8_e4m3fn, got torch.float8_e5m2"):
+        fp8_quant.dequantize(x.to(E5M2), torch.ones(1), torch.bfloat16)
+
+
 def test_attention_inputs_on_the_torch_path_are_the_tensors_one_at_a_time_and_forward_factors():
     """``attention_inputs`` (CPU: the torch path) gives each tensor what ``current`` / ``delayed``
     give it alone, and factors: O's scale the largest power of 2 at most 392 / max |V| (1 for an
@@ -694,6 +766,51 @@ def test_attention_inputs_on_the_torch_path_are_the_tensors_one_at_a_time_and_fo
     assert not torch.isnan(f.descale_o).any(), "O's own scale comes from V alone"
 
 
+def test_triton_s_own_errors_count_as_a_kernel_that_cannot_be_built(monkeypatch):
+    """triton's CompilationError, PTXASError and OutOfResources derive from ``triton.errors.TritonError``,
+    not from RuntimeError: once triton is imported, ``build_errors`` catches them too (so ``auto``
+    falls back), and an error of another kind is still raised as it is."""
+    import types
+
+    class TritonError(Exception):
+        pass
+
+    class CompilationError(TritonError):
+        pass
+
+    assert CompilationError not in fp8_quant.build_errors() or "triton.errors" in sys.modules
+    monkeypatch.setitem(sys.modules, "triton.errors", types.SimpleNamespace(TritonError=TritonError))
+    assert issubclass(CompilationError, fp8_quant.build_errors()) and issubclass(RuntimeError, fp8_quant.build_errors())
+    assert not issubclass(ValueError, fp8_quant.build_errors())
+
+    class Broken:
+        def inputs(self, *args):
+            raise CompilationError("at 12:4: unsupported")
+
+    monkeypatch.setattr(fp8_quant, "_BROKEN", [])
+    monkeypatch.setattr(counters, "_logged", set())  # the warning is this test's to give
+    monkeypatch.setattr(fp8_quant, "_triton", lambda: Broken())
+    monkeypatch.setattr(fp8_quant, "grouped", lambda impl, x: not fp8_quant._BROKEN)
+    q, k, v = (torch.randn(2, 3, 40, generator=gen(i)).bfloat16() for i in range(3))
+    got = fp8_quant.attention_inputs(q, k, v, impl="auto")
+    want = fp8_quant.attention_inputs(q, k, v, impl="torch")
+    same_bits(got.q8, want.q8)
+    same_value(got.out_factor, want.out_factor)
+    assert fp8_quant.triton_failure().startswith("CompilationError: at 12:4")
+    monkeypatch.setattr(fp8_quant, "_BROKEN", [])
+    with pytest.raises(CompilationError):
+        fp8_quant.attention_inputs(q, k, v, impl="triton")
+
+    class Wrong:
+        def inputs(self, *args):
+            raise ValueError("a bug, not a build failure")
+
+    monkeypatch.setattr(fp8_quant, "_triton", lambda: Wrong())
+    with pytest.raises(ValueError, match="a bug"):
+        fp8_quant.attention_inputs(q, k, v, impl="auto")
+    assert not fp8_quant._BROKEN
+
+
 def test_auto_falls_back_to_aten_for_good_when_the_triton_kernels_cannot_be_built(monkeypatch, caplog):
     """Triton builds its launcher with the machine's C compiler at first use: where that fails,
     ``auto`` quantises with aten ops (same bits, the history updated once), says so once, and no
@@ -709,6 +826,7 @@ def test_auto_falls_back_to_aten_for_good_when_the_triton_kernels_cannot_be_buil
         current = delayed = _fail
 
     monkeypatch.setattr(fp8_quant, "_BROKEN", [])
+    monkeypatch.setattr(counters, "_logged", set())
     monkeypatch.setattr(fp8_quant, "_triton", lambda: Broken())
     real_choose = fp8_quant.choose
     monkeypatch.setattr(fp8_quant, "choose", lambda impl, x: "torch" if fp8_quant._BROKEN else

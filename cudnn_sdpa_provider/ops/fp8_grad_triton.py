@@ -89,7 +89,7 @@ def _grad_books_kernel(amax_ptr, use_ptr, use_stride, unit_ptr, dq_ptr, dk_ptr, 
     sat = tl.load(sat_ptr + FIRST + j)
     tl.store(sat_ptr + FIRST + j, sat + tl.where(j == 0, saturated, tl.where(j == 1, tl.max(flushed.to(tl.int32), 0),
                                                                                      0)))
-    tl.store(total_ptr, tl.load(total_ptr) + saturated)
+    tl.atomic_add(total_ptr, saturated)  # the counter every kernel adds to
 
 
 def grad_scales(history, descales, margin: float):

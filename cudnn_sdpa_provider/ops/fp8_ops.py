@@ -238,7 +238,7 @@ def _warm_scales(q: Tensor, history, descales, margin: float):
             from . import fp8_grad_triton
 
             return fp8_grad_triton.grad_scales(history, descales, margin)
-        except fp8_quant.TRITON_ERRORS as exc:
+        except fp8_quant.build_errors() as exc:
             fp8_quant.triton_failed(asked, exc)
     return _grad_scales(history, descales, margin)
 
@@ -251,7 +251,7 @@ def _warm_books(q: Tensor, history, amax, use, unit, descales, margin: float) ->
             from . import fp8_grad_triton
 
             return fp8_grad_triton.grad_books(history, amax, use, unit, descales, margin)
-        except fp8_quant.TRITON_ERRORS as exc:
+        except fp8_quant.build_errors() as exc:
             fp8_quant.triton_failed(asked, exc)
     return _grad_books(history, amax, use, unit, descales, margin)
 
@@ -279,7 +279,8 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
             use, unit = _warm_scales(q, history, descales, margin)
             dq, dk, dv, amax = once(use)
             _warm_books(q, history, amax, use, unit, descales, margin)
-            return dq, dk, dv, use, amax
+            # the op's output is contiguous, as its fake kernel says (the Triton twin's is one 16-byte row each)
+            return dq, dk, dv, use.contiguous(), amax
         finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
         for attempt in range(ATTEMPTS if state is not None else 1):
             dq, dk, dv, amax = once(use)
@@ -414,7 +415,7 @@ def dequantize_grads(dq: Tensor, dk: Tensor, dv: Tensor, use: Tensor, poison: Te
     if ops.eager(dq, dk, dv) and all(fp8_quant.dense(t) for t in (dq, dk, dv)) and fp8_quant.grouped(asked, dq):
         try:
             return _quant_triton().dequantize_grads(dq, dk, dv, use, poison, descale_do, dtype)
-        except fp8_quant.TRITON_ERRORS as exc:
+        except fp8_quant.build_errors() as exc:
             fp8_quant.triton_failed(asked, exc)
     factor = grad_factors(use, poison, descale_do).to(dtype)
     return tuple(g.to(dtype) * factor[i] for i, g in enumerate((dq, dk, dv)))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import logging
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from subprocess import SubprocessError
@@ -56,7 +57,7 @@ from .fp8_reference import FORMAT_MAX
 __all__ = ["IMPLS", "VERIFIED", "GROUPED_VERIFIED", "UNDER", "O_HEADROOM", "FACTORS", "History", "Inputs", "current",
            "delayed", "attention_inputs", "forward_factors", "dequantize", "choose", "grouped", "dense",
            "triton_available", "saturated_total", "saturation_counter", "pow2_below", "TOP_BITS", "triton_failure",
-           "triton_failed", "TRITON_ERRORS"]
+           "triton_failed", "TRITON_ERRORS", "build_errors"]
 
 IMPLS = ("auto", "triton", "compiled", "torch")
 #: Compute capabilities where ``auto`` picks the Triton kernels: the bit-equality and saturation-count
@@ -241,11 +242,21 @@ def choose(impl: str, x: torch.Tensor) -> str:
 #: which triton needs for its launcher, or a triton too old for the kernels): ``auto`` then stays
 #: on the torch path for the rest of the process; ``triton`` asked for by name raises.
 _BROKEN: list = []
-#: What a kernel that cannot be built raises (triton's CompilationError and its C compiler's
-#: errors are RuntimeError / subprocess / OS errors). A CUDA error (``torch.AcceleratorError``, an
-#: earlier kernel's fault surfacing here) and running out of memory are raised as they are.
+#: What a kernel that cannot be built raises besides triton's own errors (``build_errors``): its C
+#: compiler's and loader's errors are RuntimeError / subprocess / OS errors. A CUDA error
+#: (``torch.AcceleratorError``, an earlier kernel's fault surfacing here) and running out of memory
+#: are raised as they are.
 TRITON_ERRORS = (ImportError, RuntimeError, OSError, SubprocessError)
 _RAISED_AS_IS = tuple(t for t in (getattr(torch, "AcceleratorError", None), torch.cuda.OutOfMemoryError) if t)
+
+
+def build_errors() -> tuple:
+    """``TRITON_ERRORS`` and, once triton is imported, ``triton.errors.TritonError`` (its
+    CompilationError, PTXASError and OutOfResources derive from it, not from RuntimeError): what an
+    ``except`` around a Triton launch catches as a kernel that cannot be built here."""
+    errors = sys.modules.get("triton.errors")
+    found = getattr(errors, "TritonError", None) if errors is not None else None
+    return TRITON_ERRORS + ((found,) if isinstance(found, type) else ())
 
 
 def triton_failure() -> str | None:
@@ -291,7 +302,7 @@ def current(x: torch.Tensor, dtype=torch.float8_e4m3fn, *, margin: float = 1.0, 
     if which == "triton":
         try:
             return _triton().current(x, dtype, margin)
-        except TRITON_ERRORS as exc:
+        except build_errors() as exc:
             triton_failed(asked, exc)
     if which == "compiled":
         return _compiled("current")(x, dtype, margin)
@@ -311,7 +322,7 @@ def delayed(x: torch.Tensor, dtype, history: History, slot: int, *, margin: floa
     if which == "triton":
         try:
             return _triton().delayed(x, dtype, history, slot, margin, total, UNDER)
-        except TRITON_ERRORS as exc:
+        except build_errors() as exc:
             triton_failed(asked, exc)
     fn = _compiled("delayed") if which == "compiled" else _delayed_torch
     return fn(x, dtype, history.amax, history.row, history.saturated, total, slot, margin)
@@ -365,6 +376,8 @@ def attention_inputs(q, k, v, dtype=torch.float8_e4m3fn, history: History | None
     tensor at a time and ``forward_factors``."""
     for x in (q, k, v):
         _check(x, dtype, margin)
+    if history is not None and not 0 <= first <= history.amax.shape[1] - 3:
+        raise ValueError(f"first must leave three history slots (0 to {history.amax.shape[1] - 3}), got {first}")
     q, k, v = (x.detach() if dense(x) else x.detach().contiguous() for x in (q, k, v))
     asked = impl or env.fp8_quant()
     if grouped(asked, q):
@@ -373,7 +386,7 @@ def attention_inputs(q, k, v, dtype=torch.float8_e4m3fn, history: History | None
             q8, k8, v8, factors, _ = _triton().inputs(q, k, v, dtype, margin, history, first, total, UNDER,
                                                       FORMAT_MAX[torch.float8_e4m3fn] * O_HEADROOM)
             return Inputs(q8, k8, v8, *(factors[i, :1] for i in range(len(FACTORS))))
-        except TRITON_ERRORS as exc:
+        except build_errors() as exc:
             triton_failed(asked, exc)
     if history is None:
         done = [current(x, dtype, margin=margin, impl=asked) for x in (q, k, v)]
@@ -386,10 +399,12 @@ def attention_inputs(q, k, v, dtype=torch.float8_e4m3fn, history: History | None
 def dequantize(x: torch.Tensor, factor: torch.Tensor, dtype, *, impl: str | None = None) -> torch.Tensor:
     """float8_e4m3fn ``x`` x ``factor`` ((1,) fp32) in ``dtype``: the bits of
     ``x.to(dtype) * factor.to(dtype)``, in one Triton pass where ``grouped``."""
+    if x.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"x must be float8_e4m3fn, got {x.dtype}")
     asked = impl or env.fp8_quant()
     if dense(x) and grouped(asked, x):
         try:
             return _triton().dequantize(x, factor, dtype)
-        except TRITON_ERRORS as exc:
+        except build_errors() as exc:
             triton_failed(asked, exc)
     return x.to(dtype) * factor.to(dtype)
