@@ -354,6 +354,7 @@ def test_collect_meta_on_cpu():
     assert set(meta["cases"]) == {c.name for c in bench.KNOWN} > {c.name for c in bench.MATRIX}  # groups too
     assert meta["cases"]["fp8_b4_h32kv8_s8192_d128_causal"]["h_kv"] == 8
     assert meta["cases"]["varlen_n16_h16_d128_causal"]["seq_lens"] == bench.cases.varlen_lengths()
+    assert meta["fp8_quantisation"].endswith("aten ops (no CUDA device)"), "the fp8 rows say what quantised"
     json.dumps(meta)
 
 

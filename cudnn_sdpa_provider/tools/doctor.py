@@ -14,7 +14,7 @@ import site
 import sys
 import sysconfig
 
-__all__ = ["doctor_rows", "package_version", "versions_line", "startup_hook_path", "PTH_NAME"]
+__all__ = ["doctor_rows", "fp8_quantisation", "package_version", "versions_line", "startup_hook_path", "PTH_NAME"]
 
 PTH_NAME = "cudnn_sdpa_provider_startup.pth"
 FRONTEND = "nvidia-cudnn-frontend"
@@ -137,7 +137,7 @@ def _graph_rows(caps) -> list:
                                            f"{b['rejected']} rejected by cuDNN")]
 
 
-def _fp8_quantisation(caps) -> str:
+def fp8_quantisation(caps) -> str:
     """Which code quantises ``csp.fp8.attention``'s inputs here (``ops.fp8_quant.choose``), and why."""
     from ..core import env
     from ..ops import fp8_quant
@@ -165,7 +165,7 @@ def _fp8_quantisation(caps) -> str:
 def _fp8_rows(caps) -> list:
     from ..diagnostics import DoctorRow as Row
 
-    return [Row("fp8", "quantisation", None, _fp8_quantisation(caps))]
+    return [Row("fp8", "quantisation", None, fp8_quantisation(caps))]
 
 
 def doctor_rows(run_self_test: bool = True) -> list:

@@ -157,6 +157,7 @@ def collect_meta(argv: list[str] | None = None, **settings) -> dict:
     from ... import __version__
     from ...engine import machine
     from ...core import support
+    from ..doctor import fp8_quantisation
 
     caps = machine.capabilities()
     return {
@@ -172,6 +173,7 @@ def collect_meta(argv: list[str] | None = None, **settings) -> dict:
         "cudnn_backend": support.version_str(caps.cudnn_version),
         "cudnn_frontend": caps.frontend_version,
         "cudnn_unavailable": caps.unavailable,
+        "fp8_quantisation": fp8_quantisation(caps),  # which code quantises the fp8 cases' inputs (as doctor says)
         "settings": settings,
         "cases": {c.name: {**dataclasses.asdict(c), "description": c.describe()} for c in KNOWN},
     }
