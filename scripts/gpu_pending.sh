@@ -5,9 +5,11 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_pending.sh fp8      # issue #30: the grouped Triton kernels' device
 #                                                     # tests, the FP8 GPU tests with them forced, the
-#                                                     # end-to-end host breakdown (auto vs forced), the bench
-#   OUT=/tmp/out bash scripts/gpu_pending.sh shapes   # issue #28: new_length, decode calls, hf_generate,
-#                                                     # hf_dynamic_padding, the shapes and folded tests
+#                                                     # end-to-end host breakdown (auto vs forced), the
+#                                                     # bench, the FP8 varlen probe
+#   OUT=/tmp/out bash scripts/gpu_pending.sh shapes   # issue #28: new_length, decode calls and a profiled
+#                                                     # generation, hf_generate, hf_dynamic_padding, the
+#                                                     # shapes and folded tests, compute-sanitizer
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
@@ -45,6 +47,7 @@ case "$stage" in
     run e2e_grouped env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 scripts/fp8_e2e_profile.py --calls 20 --cprofile 20
     run bench_fp8_grouped env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 -m cudnn_sdpa_provider bench --shapes fp8 \
       --repeats 10 --warmup 3 --json "$OUT/bench-fp8.json"
+    run fp8_varlen_probe python3 scripts/fp8_varlen_probe.py --json "$OUT/fp8-varlen-probe.json"
     ;;
   shapes)
     run shapes_tests python3 -m pytest tests/gpu/test_shapes.py tests/gpu/test_folded_gpu.py \
@@ -53,7 +56,11 @@ case "$stage" in
       run "new_length_$path" python3 scripts/bench_shapes.py new_length "$path"
     done
     run decode_calls python3 scripts/decode_profile.py calls --steps 64
+    run decode_generate python3 scripts/decode_profile.py generate provider --batch 8
     run hf_all python3 scripts/bench_shapes.py all --json "$OUT/shapes.json"
+    # exit 4: no compute-sanitizer on the machine, nothing run (said in the log, not a failure)
+    run sanitize_folded bash -c 'OUT="$1" TIMEOUT=400 bash scripts/sanitize_folded.sh; rc=$?
+      if [ $rc = 4 ]; then echo "compute-sanitizer not found: not run"; exit 0; fi; exit $rc' _ "$OUT"
     ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \

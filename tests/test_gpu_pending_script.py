@@ -38,7 +38,8 @@ def _run(tmp_path, stage, fail_on=""):
     fake.chmod(0o755)
     (tmp_path / "site" / "csp-fe-1.32.0" / "cudnn").mkdir(parents=True)
     out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SITE_ROOT": str(tmp_path / "site")}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SITE_ROOT": str(tmp_path / "site"),
+           "SANITIZER": str(tmp_path / "no-compute-sanitizer")}  # as on a machine without one
     done = subprocess.run(["bash", str(SCRIPT), stage], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     return done, calls.read_text().splitlines() if calls.exists() else [], out
 
@@ -50,9 +51,11 @@ def test_an_unknown_stage_is_refused(tmp_path):
 
 @pytest.mark.parametrize("stage, first, sections", [
     ("fp8", "-m pytest tests/gpu/test_fp8_recipes_gpu.py", ["grouped_kernels_on_device", "fp8_tests_forced",
-                                                            "e2e_auto", "e2e_grouped", "bench_fp8_grouped"]),
+                                                            "e2e_auto", "e2e_grouped", "bench_fp8_grouped",
+                                                            "fp8_varlen_probe"]),
     ("shapes", "-m pytest tests/gpu/test_shapes.py", ["shapes_tests", "new_length_provider", "new_length_native",
-                                                      "new_length_flash", "decode_calls", "hf_all"]),
+                                                      "new_length_flash", "decode_calls", "decode_generate", "hf_all",
+                                                      "sanitize_folded"]),
     ("tier", "-m pytest tests/gpu/test_known_issues_gpu.py", ["tier"]),
 ])
 def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first, sections):
@@ -63,6 +66,8 @@ def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first,
     log = (out / f"{stage}.txt").read_text()
     assert [s for s in re.findall(r"^===== (\w+) \(", log, re.M)] == sections
     assert log.rstrip().endswith(f"stage {stage}: passed")
+    if stage == "shapes":  # no compute-sanitizer here: said, not failed
+        assert "compute-sanitizer not found: not run" in log
 
 
 def test_a_failing_command_fails_the_stage_and_the_rest_still_run(tmp_path):
