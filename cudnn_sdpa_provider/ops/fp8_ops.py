@@ -42,9 +42,8 @@ from . import fp8_quant, fp8_reference, dense_varlen as ops, route
 from ..core import env, layout, scope, support
 from ..engine.binding import tensor_key
 
-__all__ = ["fp8_fwd", "fp8_bwd", "fp8_quantize", "quantize", "quantize_inputs", "dequantize", "dequantize_grads", "grad_factors",
-           "problem", "kernels",
-           "register", "ATTEMPTS", "E4M3_MAX", "GRAD_SLOTS"]
+__all__ = ["fp8_fwd", "fp8_bwd", "fp8_quantize", "quantize", "quantize_inputs", "dequantize", "dequantize_grads",
+           "grad_factors", "problem", "kernels", "register", "ATTEMPTS", "E4M3_MAX", "GRAD_SLOTS"]
 
 E4M3_MAX = fp8_reference.FORMAT_MAX[torch.float8_e4m3fn]
 ATTEMPTS = 4
