@@ -401,18 +401,28 @@ def check_triton_bits(dtype, fmt):
     assert h_tri.saturated[3].item() == 1 and total.item() == 1
 
 
+def run_fresh(code: str, expect: str, interpret: bool = True, timeout: int = 900) -> None:
+    """Run ``code`` in a fresh interpreter from the repository root, with ``TRITON_INTERPRET=1`` (set
+    before triton is imported, as the interpreter needs) or without it, and assert it exits 0 and
+    prints ``expect``. Skipped without triton."""
+    pytest.importorskip("triton")
+    env_ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env_["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env_)
+    assert done.returncode == 0 and expect in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_triton_kernels_give_the_torch_path_s_bits():
     """``check_triton_bits`` for bf16/fp16/fp32 into e4m3/e5m2, in a fresh interpreter (skipped
     without triton: torch's CPU wheels do not bring it; ``pip install triton`` does)."""
-    pytest.importorskip("triton")
     code = ("import torch; from tests.test_fp8_recipes import check_triton_bits as c\n"
             "for d in (torch.bfloat16, torch.float16, torch.float32):\n"
             "    for f in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
             "        c(d, f)\n"
             "print('bits equal')\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    run_fresh(code, "bits equal", timeout=600)
 
 
 def check_grouped_bits(dtype, fmt):
@@ -468,15 +478,12 @@ def check_grouped_bits(dtype, fmt):
 def test_grouped_kernels_give_the_torch_path_s_bits():
     """``check_grouped_bits`` for bf16/fp16/fp32 into e4m3 and e5m2, in a fresh interpreter
     (skipped without triton)."""
-    pytest.importorskip("triton")
     code = ("import torch; from tests.test_fp8_recipes import check_grouped_bits as c\n"
             "for d in (torch.bfloat16, torch.float16, torch.float32):\n"
             "    for f in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
             "        c(d, f)\n"
             "print('bits equal')\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    run_fresh(code, "bits equal", timeout=900)
 
 
 def check_grad_twins(dtype, device="cpu", soft_cast=True):
@@ -551,14 +558,11 @@ def check_grad_twins(dtype, device="cpu", soft_cast=True):
 
 def test_the_backward_s_triton_twins_give_the_aten_code_s_bits():
     """``check_grad_twins`` for bf16/fp16/fp32 outputs, in a fresh interpreter (skipped without triton)."""
-    pytest.importorskip("triton")
     code = ("import torch; from tests.test_fp8_recipes import check_grad_twins as c\n"
             "for d in (torch.bfloat16, torch.float16, torch.float32):\n"
             "    c(d)\n"
             "print('bits equal')\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "bits equal" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    run_fresh(code, "bits equal", timeout=900)
 
 
 def check_compiled_warm_delayed_backward():
@@ -590,12 +594,9 @@ def check_compiled_warm_delayed_backward():
 
 def test_a_compiled_warm_delayed_backward_through_the_triton_twins():
     """``check_compiled_warm_delayed_backward`` in a fresh interpreter (skipped without triton)."""
-    pytest.importorskip("triton")
     code = ("from tests.test_fp8_recipes import check_compiled_warm_delayed_backward as c\n"
             "c()\nprint('compiled ok')\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "compiled ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    run_fresh(code, "compiled ok", timeout=900)
 
 
 def compile_kernels_for(arch: int) -> list:
@@ -661,12 +662,8 @@ def compile_kernels_for(arch: int) -> list:
 def test_the_triton_kernels_compile_for_sm90():
     """``compile_kernels_for(90)`` in a fresh interpreter without ``TRITON_INTERPRET`` (skipped
     without triton)."""
-    pytest.importorskip("triton")
-    code = "from tests.test_fp8_recipes import compile_kernels_for as c; print('compiled', *c(90))"
-    env_ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=env_)
-    assert done.returncode == 0 and "_finish3_kernel" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    run_fresh("from tests.test_fp8_recipes import compile_kernels_for as c; print('compiled', *c(90))",
+              "_finish3_kernel", interpret=False)
 
 
 def test_the_compiled_path_gives_the_torch_path_s_bits():

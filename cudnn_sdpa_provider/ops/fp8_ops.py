@@ -228,31 +228,17 @@ def _fused(q: Tensor) -> str | None:
     return asked if fp8_quant.grouped(asked, q) else None
 
 
-def _warm_scales(q: Tensor, history, descales, margin: float):
-    """``_grad_scales`` or its Triton twin (``_fused``; a kernel that cannot be built falls back to
-    the aten ops as ``fp8_quant`` does)."""
-    asked = _fused(q)
+def _warm(asked: str | None, name: str, aten, *args):
+    """``fp8_grad_triton.<name>(*args)`` where ``asked`` (``_fused``), else ``aten(*args)``; a kernel
+    that cannot be built falls back to the aten code as ``fp8_quant`` does."""
     if asked:
         try:
             from . import fp8_grad_triton
 
-            return fp8_grad_triton.grad_scales(history, descales, margin)
+            return getattr(fp8_grad_triton, name)(*args)
         except fp8_quant.build_errors() as exc:
             fp8_quant.triton_failed(asked, exc)
-    return _grad_scales(history, descales, margin)
-
-
-def _warm_books(q: Tensor, history, amax, use, unit, descales, margin: float) -> None:
-    """``_grad_books`` or its Triton twin, as ``_warm_scales``."""
-    asked = _fused(q)
-    if asked:
-        try:
-            from . import fp8_grad_triton
-
-            return fp8_grad_triton.grad_books(history, amax, use, unit, descales, margin)
-        except fp8_quant.build_errors() as exc:
-            fp8_quant.triton_failed(asked, exc)
-    return _grad_books(history, amax, use, unit, descales, margin)
+    return aten(*args)
 
 
 def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q, seq_len_kv, scale, scale_s, margin,
@@ -275,9 +261,10 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
         # NaN) must not become the recipe's state for the next calls (issue #29)
         if delayed and holder.warm(q.device):  # scales from the history; checked on the device only
             history = holder.history(q.device)
-            use, unit = _warm_scales(q, history, descales, margin)
+            asked = _fused(q)
+            use, unit = _warm(asked, "grad_scales", _grad_scales, history, descales, margin)
             dq, dk, dv, amax = once(use)
-            _warm_books(q, history, amax, use, unit, descales, margin)
+            _warm(asked, "grad_books", _grad_books, history, amax, use, unit, descales, margin)
             # the op's output is contiguous, as its fake kernel says (the Triton twin's is one 16-byte row each)
             return dq, dk, dv, use.contiguous(), amax
         finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
