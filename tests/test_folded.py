@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cudnn_sdpa_provider.core import env, layout
-from cudnn_sdpa_provider.engine import dense, folded, graphs
+from cudnn_sdpa_provider.engine import dense, fold_values, folded, graphs
 from cudnn_sdpa_provider.engine.graphs import BwdKey, FwdKey
 from cudnn_sdpa_provider.ops import reference
 from tests import fake_cudnn
@@ -226,17 +226,62 @@ def test_padded_calls_fold_with_their_own_lengths(fake, kind):
     assert sum(isinstance(g.key, BwdKey) and g.key.ragged for g in fake) == 1
 
 
-def test_a_new_length_reuses_the_small_tensors_it_can(fake):
-    """Decode at a new length: Q's offsets, its length and V's offsets (K's strides) come from the
-    value cache; only K/V's offsets and the KV length are new."""
+def _counted_uploads(monkeypatch) -> list:
+    """How many tensors each copy of the folds' small tensors carried (``fold_values._upload``)."""
+    uploads, real = [], fold_values._upload
+    monkeypatch.setattr(fold_values, "_upload", lambda values, blocks, device: uploads.append(
+        len(values) + sum(len(keys) for keys, _ in blocks)) or real(values, blocks, device))
+    return uploads
+
+
+def _values_are_their_keys() -> None:
+    """Every kept small tensor holds what its key says (a look-ahead guess included)."""
+    for key, t in fold_values.kept().items():
+        assert t.dtype == torch.int32 and t.shape[1:] == (1, 1, 1) and t.data_ptr() % 16 == 0, key
+        if key[0] == "len":
+            n, s = key[3:]
+            assert t.view(-1).tolist() == [s] * n, key
+        else:
+            n, h_kv, sb, sg = key[3:]
+            assert t.view(-1).tolist() == [(i // h_kv) * sb + (i % h_kv) * sg for i in range(n + 1)], key
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "token_major", "head_slice"])
+def test_a_growing_decode_cache_uploads_its_small_tensors_once_per_look_ahead(fake, monkeypatch, kind):
+    """Decode over a cache that grows one token a step: a new length whose KV length is not kept
+    uploads, in one copy, what it misses and the lengths and K/V offsets of the next ``AHEAD``
+    lengths inside its bucket (for caches whose strides follow from their length: contiguous BHSD,
+    token-major BSHD); the steps after it upload nothing. A layout whose strides cannot be
+    predicted (a head-dim slice) uploads once per step, still one copy. Answers match fp64."""
+    monkeypatch.setattr(fold_values, "AHEAD", 4)
+    fold_values.clear()
+    uploads = _counted_uploads(monkeypatch)
     gen = torch.Generator().manual_seed(13)
-    folded._tls.small = folded.OrderedDict()  # this thread's value cache, empty
-    q, k, v = _operands("contiguous", 2, 8, 2, 1, 21, 8, gen)
-    dense.forward(q, k, v, scale=0.3, compute_lse=False)
-    before = len(folded._tls.small)
-    q, k, v = _operands("contiguous", 2, 8, 2, 1, 22, 8, gen)
-    dense.forward(q, k, v, scale=0.3, compute_lse=False)
-    assert len(folded._tls.small) - before == 2, "one offsets tensor (K and V share strides), one length"
+    for s_kv in range(17, 26):  # inside the (16, 32] bucket
+        q, k, v = _operands(kind, 2, 8, 2, 1, s_kv, 8, gen)
+        out, _ = dense.forward(q, k, v, scale=0.3, compute_lse=False)
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, compute_dtype=torch.float64)
+        assert_rel_close(out, want, TOL, f"out at S_kv={s_kv}")
+    if kind == "head_slice":
+        assert len(uploads) == 9, uploads
+    else:  # 17 with 18-21, 22 with 23-26
+        assert len(uploads) == 2, uploads
+        assert uploads[1] == 5 * 2, "each new length: its KV length and K/V's offsets (K and V share strides)"
+    _values_are_their_keys()
+
+
+def test_a_new_prefill_length_uploads_what_it_misses_in_one_copy(fake, monkeypatch):
+    """A new prefill length (GQA, so Q, O and the LSE are token-major scratch) misses its length and
+    three offsets tensors (Q and O share strides, K and V): one copy carries all four; the backward
+    (dO and dQ token-major like Q, dK and dV like K) finds every one of its tensors kept."""
+    fold_values.clear()
+    uploads = _counted_uploads(monkeypatch)
+    gen = torch.Generator().manual_seed(14)
+    for s in (19, 23):
+        q, k, v = _operands("contiguous", 2, 8, 2, s, s, 8, gen)
+        _check(q, k, v, torch.randn(2, 8, s, 8, generator=gen), window=(-1, 0))
+    assert uploads == [4, 4], uploads
+    _values_are_their_keys()
 
 
 def _capture_calls(monkeypatch, fn):
@@ -267,7 +312,7 @@ def test_a_captured_binding_keeps_its_plan_and_device_tensors_for_good(fake, mon
     plan, tensors = weakref.ref(kept[0].plan), [weakref.ref(t) for t in kept[0].extra.get("tensors", ())]
     del kept
     graphs.clear_cache()
-    folded._tls.small = folded.OrderedDict()
+    fold_values.clear()
     for g in fake:  # the fake's record of its calls holds their buffers too
         g.calls.clear()
     gc.collect()
@@ -309,7 +354,7 @@ def test_a_capture_queues_no_wait_on_an_event_recorded_outside_it(monkeypatch):
             waits.append(event)
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(folded, "_stream", lambda device: 222)  # not the binding's stream, 111
+    monkeypatch.setattr(fold_values, "stream_of", lambda device: 222)  # not the binding's stream, 111
     found = folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": (111, "event")})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     folded._order(found, torch.device("cuda", 0))
@@ -416,10 +461,10 @@ def test_a_binding_used_on_another_stream_waits_for_its_uploads(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     found = folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": (111, "event")})
-    monkeypatch.setattr(folded, "_stream", lambda device: 111)
+    monkeypatch.setattr(fold_values, "stream_of", lambda device: 111)
     folded._order(found, torch.device("cuda", 0))
     assert waits == []
-    monkeypatch.setattr(folded, "_stream", lambda device: 222)
+    monkeypatch.setattr(fold_values, "stream_of", lambda device: 222)
     folded._order(found, torch.device("cuda", 0))
     assert waits == ["event"]
     folded._order(folded.Binding(plan=None, uids=(), repair=(), outputs=(), direct=(), extra={"made": None}),

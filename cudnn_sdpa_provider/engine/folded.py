@@ -37,12 +37,10 @@ plan and its device tensors, for as long as the process lives (a replay reads th
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import torch
 
 from . import binding as bd
+from . import fold_values as fv
 from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
@@ -77,15 +75,8 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _fold_strides(t: torch.Tensor, h_kv: int, groups: int) -> tuple[int, int]:
-    """(batch stride, KV-group stride) of an operand, in elements, as its offsets use them. A size-1
-    dim's stride is arbitrary in PyTorch: a single KV group's is 0 (never stepped), a single batch
-    row's is its groups' extent (the end offset)."""
-    sg = t.stride(1) * groups if h_kv > 1 else 0
-    if t.shape[0] > 1:
-        return t.stride(0), sg
-    per = layout.ALIGN // t.element_size()
-    extent = sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:])) + 1
-    return max(h_kv * sg, -(-extent // per) * per), sg
+    """(batch stride, KV-group stride) of an operand, in elements (``fold_values.fold_strides``)."""
+    return fv.fold_strides(t.shape, t.stride(), t.element_size(), h_kv, groups)
 
 
 def _end(t: torch.Tensor, h_kv: int, groups: int) -> int:
@@ -175,28 +166,6 @@ def _kv_desc(t: torch.Tensor, n: int, s_b: int) -> Desc:
     return _desc((n, 1, s_b, t.shape[3]), (0, 0, t.stride(2), 1), t.dtype)
 
 
-def _offsets(t: torch.Tensor, h_kv: int, groups: int) -> torch.Tensor:
-    """(n + 1, 1, 1, 1) int32 ragged offsets of fold i = b * H_kv + g: b * stride_b + g * stride_g
-    (the last entry, B * stride_b, is the end). One kernel when the folds are evenly spaced."""
-    sb, sg = _fold_strides(t, h_kv, groups)
-    n = t.shape[0] * h_kv
-    return _cached(("off", t.device, _stream(t.device), n, h_kv, sb, sg),
-                   lambda: _make_offsets(t.device, n, h_kv, sb, sg))
-
-
-def _make_offsets(device, n: int, h_kv: int, sb: int, sg: int) -> torch.Tensor:
-    return _upload([(i // h_kv) * sb + (i % h_kv) * sg for i in range(n + 1)], device)
-
-
-def _lengths(n: int, s: int, device) -> torch.Tensor:
-    return _cached(("len", device, _stream(device), n, s), lambda: _upload([s] * n, device))
-
-
-def _stream(device) -> int:
-    """The raw current stream of ``device`` (0 off CUDA)."""
-    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-
-
 def _made(device):
     """(stream, event) marking where a new binding's device tensors were uploaded (``_order``); None
     off CUDA. Every tensor a binding holds was uploaded on its stream: the value cache is kept per
@@ -205,7 +174,7 @@ def _made(device):
         return None
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
-    return _stream(device), event
+    return fv.stream_of(device), event
 
 
 def _order(found: Binding, device) -> None:
@@ -221,41 +190,8 @@ def _order(found: Binding, device) -> None:
     warm up on the capturing stream (then no wait is needed). The capture check runs only when the
     streams differ, so a call on the binding's own stream pays nothing for it."""
     made = found.extra.get("made")
-    if made is not None and made[0] != _stream(device) and not torch.cuda.is_current_stream_capturing():
+    if made is not None and made[0] != fv.stream_of(device) and not torch.cuda.is_current_stream_capturing():
         torch.cuda.current_stream(device).wait_event(made[1])
-
-
-def _upload(values: list, device) -> torch.Tensor:
-    """(len(values), 1, 1, 1) int32 on ``device``: written on the host into pinned memory (torch's
-    caching host allocator, which keeps the block until the copy is done) and copied in stream
-    order. One copy, no kernel: GPU run 51's profile of new lengths had torch.full and
-    torch.arange among its largest items (about 0.1 ms each)."""
-    host = torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-#: How many of the folds' small device tensors (lengths, offsets) each thread keeps, by value.
-SMALL_KEPT = 1024
-_tls = threading.local()
-
-
-def _cached(key: tuple, make) -> torch.Tensor:
-    """A small constant device tensor by value (never written after it is made): a decode loop's
-    new length then costs one or two kernels, not eight. Per thread, bounded (LRU); bindings hold
-    the tensors they use, so an eviction here frees nothing a binding still needs."""
-    cache = getattr(_tls, "small", None)
-    if cache is None:
-        cache = _tls.small = OrderedDict()
-    found = cache.get(key)
-    if found is None:
-        found = cache[key] = make()
-        while len(cache) > SMALL_KEPT:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return found
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:
@@ -285,6 +221,15 @@ def _lse_target(b: int, h: int, s_q: int, groups: int, device) -> tuple[torch.Te
 # ---------------------------------------------------------------------------------------- forward
 
 
+def _tensors(wanted: list, kv: tuple, n: int, h_kv: int, s_q: int, s_kv: int, bucket: int, device, stream) -> tuple:
+    """The binding's small device tensors in ``wanted``'s order, in one upload for those not kept
+    (``fold_values``); a decode forward that misses its KV length uploads the next lengths' too."""
+    blocks = fv.ahead(kv, n, h_kv, s_kv, bucket, device, stream) if kv and s_q == 1 and wanted[1][0] not in fv.kept() else ()
+    found = fv.resolve(wanted, device, blocks)
+    return tuple(found[key] for key, _ in wanted)
+
+
+
 def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_lse: bool, padded: bool = False,
                  build: bool = True) -> Binding | None:
     """The binding of a folded forward; its graph is found in the cache or, with ``build``, built
@@ -309,9 +254,12 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
     if plan is None:
         return None
-    tensors = (_lengths(n, s_q, q.device), _lengths(n, s_kv, q.device), _offsets(qr, h_kv, groups),
-               _offsets(k, h_kv, 1), _offsets(v, h_kv, 1), _offsets(out_buf, h_kv, groups))
-    tensors += (_offsets(lse_buf, h_kv, groups),) if compute_lse else ()
+    stream = fv.stream_of(q.device)
+    wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream),
+              fv.offsets_request(qr, h_kv, groups, stream), fv.offsets_request(k, h_kv, 1, stream),
+              fv.offsets_request(v, h_kv, 1, stream), fv.offsets_request(out_buf, h_kv, groups, stream)]
+    wanted += [fv.offsets_request(lse_buf, h_kv, groups, stream)] if compute_lse else []
+    tensors = _tensors(wanted, (k, v), n, h_kv, s_q, s_kv, skv_b, q.device, stream)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
@@ -385,10 +333,13 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
     if plan is None:
         return None
-    tensors = (_lengths(n, s_q, q.device), _lengths(n, s_kv, q.device), _offsets(qr, h_kv, groups),
-               _offsets(k, h_kv, 1), _offsets(v, h_kv, 1), _offsets(outr, h_kv, groups),
-               _offsets(do, h_kv, groups), _offsets(bufs[0], h_kv, groups), _offsets(bufs[1], h_kv, 1),
-               _offsets(bufs[2], h_kv, 1))
+    stream = fv.stream_of(q.device)
+    wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
+    wanted += [fv.offsets_request(t, h_kv, groups, stream) for t in (qr,)]
+    wanted += [fv.offsets_request(t, h_kv, 1, stream) for t in (k, v)]
+    wanted += [fv.offsets_request(t, h_kv, groups, stream) for t in (outr, do, bufs[0])]
+    wanted += [fv.offsets_request(t, h_kv, 1, stream) for t in bufs[1:]]
+    tensors = _tensors(wanted, (), n, h_kv, s_q, s_kv, skv_b, q.device, stream)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),

@@ -1,0 +1,181 @@
+"""The folded graphs' small device tensors (sequence lengths, ragged offsets): kept by value,
+uploaded together.
+
+A folded binding (``folded``) reads a handful of small int32 tensors: the lengths of its folds and
+the ragged offset of each operand's folds. Each is a constant of its value (never written after it
+is made), so they are kept per thread and per stream by value: a new length reuses what did not
+change. What is missing is written on the host and copied to the device in ONE copy (pinned
+memory, stream-ordered), each tensor a 16-byte-aligned view of that copy: GPU run 56's profile of
+new decode lengths spent about 75 us per separate upload (``torch.tensor``, ``pin_memory``, the
+copy), and a new prefill length needed four.
+
+Decode walks its length up one token a step. When a decode binding misses its KV length, the
+lengths and the K/V offsets of the next ``AHEAD`` lengths inside the bucket are uploaded in the
+same copy (``ahead``), for K/V caches whose strides follow from their length (a contiguous
+(B, H, S, D) cache, as HF's DynamicCache concatenates, or token-major (B, S, H, D) seen through
+``transpose(1, 2)``): the next steps then find them in the cache. A guess that does not come true
+costs a few hundred bytes; every entry is correct for its key, whatever call finds it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ..core import layout
+
+__all__ = ["SMALL_KEPT", "AHEAD", "stream_of", "fold_strides", "length_request", "offsets_request", "resolve",
+           "ahead", "kept", "clear"]
+
+#: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
+#: eviction frees nothing a binding still needs.
+SMALL_KEPT = 1024
+#: Decode lengths uploaded ahead of the one a binding misses (``ahead``).
+AHEAD = 32
+_PER = layout.ALIGN // 4  # int32 values per 16 bytes: every view starts 16-byte aligned
+_tls = threading.local()
+
+
+def _cache() -> OrderedDict:
+    cache = getattr(_tls, "small", None)
+    if cache is None:
+        cache = _tls.small = OrderedDict()
+    return cache
+
+
+def kept():
+    """This thread's tensors by key (read-only use: membership)."""
+    return _cache()
+
+
+def clear() -> None:
+    """Forget this thread's tensors (bindings keep theirs)."""
+    _tls.small = OrderedDict()
+
+
+def stream_of(device) -> int:
+    """The raw current stream of ``device`` (0 off CUDA)."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+
+
+def fold_strides(shape, stride, itemsize: int, h_kv: int, groups: int) -> tuple[int, int]:
+    """(batch stride, KV-group stride) of an operand of this shape and stride, in elements, as its
+    offsets use them. A size-1 dim's stride is arbitrary in PyTorch: a single KV group's is 0 (never
+    stepped), a single batch row's is its groups' extent (the end offset)."""
+    sg = stride[1] * groups if h_kv > 1 else 0
+    if shape[0] > 1:
+        return stride[0], sg
+    per = layout.ALIGN // itemsize
+    extent = sum((n - 1) * s for n, s in zip(shape[1:], stride[1:])) + 1
+    return max(h_kv * sg, -(-extent // per) * per), sg
+
+
+def length_request(n: int, s: int, device, stream: int):
+    """(key, values) of the (n, 1, 1, 1) lengths tensor whose every entry is ``s``."""
+    return ("len", device, stream, n, s), (lambda: torch.full((n,), s, dtype=torch.int32))
+
+
+def offsets_request(t: torch.Tensor, h_kv: int, groups: int, stream: int):
+    """(key, values) of the (n + 1, 1, 1, 1) ragged offsets of ``t``'s folds, n = B * H_kv: fold
+    i = b * H_kv + g starts at b * stride_b + g * stride_g; the last entry, B * stride_b, is the end."""
+    sb, sg = fold_strides(t.shape, t.stride(), t.element_size(), h_kv, groups)
+    n = t.shape[0] * h_kv
+    return ("off", t.device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg))
+
+
+def _offsets(n: int, h_kv: int, sb: int, sg: int) -> torch.Tensor:
+    i = torch.arange(n + 1, dtype=torch.int64)
+    return ((i // h_kv) * sb + (i % h_kv) * sg).to(torch.int32)
+
+
+def _predicted_stride(t: torch.Tensor, s: int):
+    """``t``'s strides at length ``s`` when its layout fixes them (contiguous BHSD, or token-major
+    BSHD seen through ``transpose(1, 2)``), else None."""
+    b, h, _, d = t.shape
+    if t.is_contiguous():
+        return (h * s * d, s * d, d, 1)
+    if t.transpose(1, 2).is_contiguous():
+        return (s * h * d, d, h * d, 1)
+    return None
+
+
+def ahead(kv: tuple, n: int, h_kv: int, s_kv: int, bucket: int, device, stream: int) -> list:
+    """Blocks (keys, (rows, width) int32 values) of the decode lengths after ``s_kv`` (up to ``AHEAD``
+    of them, inside ``bucket``): their lengths, and the offsets of each K/V tensor whose strides
+    follow from its length (``resolve`` uploads them with its requests)."""
+    lengths = list(range(s_kv + 1, min(s_kv + AHEAD, bucket) + 1))
+    if not lengths:
+        return []
+    blocks = [([("len", device, stream, n, s) for s in lengths],
+               torch.tensor(lengths, dtype=torch.int32)[:, None].expand(len(lengths), n))]
+    i = torch.arange(n + 1, dtype=torch.int64)
+    fold, group = i // h_kv, i % h_kv
+    for t in kv:
+        if _predicted_stride(t, lengths[0]) is None:
+            continue
+        pairs = [fold_strides((t.shape[0], t.shape[1], s, t.shape[3]), _predicted_stride(t, s), t.element_size(),
+                              h_kv, 1) for s in lengths]
+        keys = [("off", device, stream, n, h_kv, sb, sg) for sb, sg in pairs]
+        if any(keys[0] == block[0][0] for block in blocks):
+            continue  # K and V with the same strides
+        sb, sg = torch.tensor(pairs, dtype=torch.int64).unbind(1)
+        blocks.append((keys, (fold[None, :] * sb[:, None] + group[None, :] * sg[:, None]).to(torch.int32)))
+    return blocks
+
+
+def resolve(requests: list, device, blocks: list = ()) -> dict:
+    """{key: (m, 1, 1, 1) int32 tensor on ``device``} for every (key, values) request: from this
+    thread's cache, or, for the missing ones, from one copy of their values together with
+    ``blocks`` (``ahead``'s guesses, kept whether or not an equal tensor was kept already)."""
+    cache = _cache()
+    found: dict = {}
+    missing: dict = {}
+    for key, values in requests:
+        if key in found or key in missing:
+            continue
+        t = cache.get(key)
+        if t is None:
+            missing[key] = values
+        else:
+            cache.move_to_end(key)
+            found[key] = t
+    if missing or blocks:
+        made = _upload({key: values() for key, values in missing.items()}, blocks, device)
+        cache.update(made)
+        found.update((key, made[key]) for key in missing)
+        while len(cache) > SMALL_KEPT:
+            cache.popitem(last=False)
+    return found
+
+
+def _padded(m: int) -> int:
+    return -(-m // _PER) * _PER
+
+
+def _upload(values: dict, blocks, device) -> dict:
+    """The values and the blocks' rows as device tensors, views of one buffer written on the host
+    (pinned memory, from torch's caching host allocator, which keeps the block until the copy is
+    done) and copied in stream order: one copy, no kernel."""
+    spans, total = {}, 0
+    for key, v in values.items():
+        spans[key] = (total, v.numel())
+        total += _padded(v.numel())
+    placed = []
+    for keys, block in blocks:
+        width = _padded(block.shape[1])
+        placed.append((keys, block, total, width))
+        total += len(keys) * width
+    host = torch.empty(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+    for key, v in values.items():
+        start, m = spans[key]
+        host[start:start + m] = v
+    for keys, block, start, width in placed:
+        host[start:start + len(keys) * width].view(len(keys), width)[:, :block.shape[1]] = block
+    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    made = {key: flat[start:start + m].view(-1, 1, 1, 1) for key, (start, m) in spans.items()}
+    for keys, block, start, width in placed:
+        m = block.shape[1]
+        made.update((key, flat[start + j * width:start + j * width + m].view(-1, 1, 1, 1)) for j, key in enumerate(keys))
+    return made
