@@ -226,6 +226,38 @@ def test_padded_calls_fold_with_their_own_lengths(fake, kind):
     assert sum(isinstance(g.key, BwdKey) and g.key.ragged for g in fake) == 1
 
 
+def test_a_padded_fold_s_lse_past_each_length_is_minus_inf_as_on_the_exact_graph(fake, monkeypatch):
+    """cuDNN's ragged graph writes no LSE row past a fold's length (GPU run 59: leftover memory there,
+    which torch.compile's opcheck caught as eager and traced outputs that differ); the exact graph
+    writes -inf. With every fresh LSE buffer poisoned with NaN, the folded padded call returns the
+    exact graph's LSE, rows past the lengths included."""
+    real = folded._lse_target
+
+    def poisoned(*args):
+        lse, buf = real(*args)
+        lse.fill_(float("nan"))
+        buf.fill_(float("nan"))
+        return lse, buf
+
+    monkeypatch.setattr(folded, "_lse_target", poisoned)
+    gen = torch.Generator().manual_seed(17)
+    for kind, heads in (("contiguous", (4, 4)), ("token_major", (4, 2))):  # the LSE in place; token-major scratch
+        q, k, v = _operands(kind, 2, heads[0], heads[1], 11, 11, 8, gen)
+        lq, lk = torch.tensor([11, 6], dtype=torch.int32), torch.tensor([11, 4], dtype=torch.int32)
+        _, lse = dense.forward(q, k, v, scale=0.3, seq_len_q=lq, seq_len_kv=lk)
+        assert fake and fake[-1].key.ragged, "the padded call ran on a folded graph"
+        monkeypatch.setenv(env.SHAPE_BUCKETS, "0")  # read when a signature is first bound
+        graphs.clear_cache()
+        _, exact = dense.forward(q, k, v, scale=0.3, seq_len_q=lq, seq_len_kv=lk)
+        monkeypatch.delenv(env.SHAPE_BUCKETS)
+        graphs.clear_cache()
+        assert not fake[-1].key.ragged
+        assert torch.equal(lse[1, :, 6:], torch.full_like(lse[1, :, 6:], float("-inf"))), lse[1, :, 6:].flatten()
+        live = torch.isfinite(exact)
+        assert torch.equal(live, torch.isfinite(lse)) and (lse[~live] == exact[~live]).all(), kind
+        assert_rel_close(lse[live], exact[live], TOL, f"lse against the exact graph's ({kind})")
+
+
 def _counted_uploads(monkeypatch) -> list:
     """How many tensors each copy of the folds' small tensors carried (``fold_values._upload``)."""
     uploads, real = [], fold_values._upload

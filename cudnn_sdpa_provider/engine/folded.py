@@ -23,7 +23,8 @@ where its strides do not depend on S (G == 1 or S_q == 1), else token-major and 
 backward reads it padded to the bucket, (B, H, S_b, 1) (cuDNN < 9.26 misreads non-packed stats).
 
 A padded call (per-sequence lengths) folds too: its lengths are the call's own (the caller makes
-out-of-range ones 0 and fixes the rows that are 0 or NaN by definition, as on the exact path).
+out-of-range ones 0 and fixes the rows that are 0 or NaN by definition, as on the exact path). The
+ragged graph writes no LSE row past a length: those start at -inf, the exact graph's value there.
 
 Not folded (the exact graph serves them, as before): bias (its strides follow S), sinks (one
 logit per query head, which a fold cannot index), dropout (its random stream is indexed by the
@@ -289,6 +290,10 @@ def run_forward(found: Binding, q, k, v, compute_lse: bool, lengths=None):
     out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     out_buf = out if found.direct[0] else _token_major(out)
     lse, lse_buf = _lse_target(q.shape[0], q.shape[1], q.shape[2], groups, q.device)
+    if compute_lse and lengths is not None:
+        # A ragged graph leaves the LSE rows past each fold's length unwritten (GPU run 59 read
+        # leftover memory there); the exact graph writes -inf, which these rows are (no key seen).
+        lse_buf.fill_(float("-inf"))
     buffers = (qr, k, v, out_buf) + ((lse_buf,) if compute_lse else ()) + _with_lengths(found, lengths)
     bd.run(found, buffers, q.device.index)
     if out_buf is not out:

@@ -17,6 +17,8 @@ gets verified):
 5. padded calls (per-sequence lengths as the Hugging Face integration passes them): the rows past
    the lengths exactly as the exact graph gives them, the canaries untouched;
 6. graph builds: 200 new lengths build at most one forward and one backward graph per bucket.
+7. a padded call's log-sum-exp past the query lengths: -inf, as the exact graph writes it, with the
+   caching allocator's blocks poisoned first (cuDNN's ragged graph leaves those rows unwritten).
 
 Each answer is checked against the fp32 reference (``ops.reference``) relative to each tensor's
 magnitude (``tests.util`` tolerances), and where native PyTorch computes the same call, against
@@ -361,6 +363,41 @@ def _padded_body() -> None:
         _untouched(where, qg, kg, vg, gog)
 
 
+def _padded_lse_body() -> None:
+    """The log-sum-exp of a padded call whose query lengths stop short of S: cuDNN's ragged graph
+    leaves the rows past them unwritten, so with the caching allocator's blocks poisoned with NaN
+    (and with 7.0) first, the folded call must still return the exact graph's LSE, -inf past each
+    length (GPU run 59 read leftover memory there)."""
+    b, d, s = 3, 64, 700
+    asked = _record("plan")
+    for h_q, h_kv in ((8, 8), (8, 2)):
+        gen = torch.Generator(device=DEV).manual_seed(h_kv)
+        (q, qg), (k, kg), (v, vg) = (_operand("token_major", b, h, s, d, gen) for h in (h_q, h_kv, h_kv))
+        lq = torch.tensor([s, 300, 513], dtype=torch.int32, device=DEV)
+        lk = torch.tensor([s, 295, 400], dtype=torch.int32, device=DEV)
+        lses = {}
+        for mode, junk in (("0", float("nan")), ("1", float("nan")), ("1", 7.0)):
+            where = f"padded LSE H {h_q}/{h_kv} mode {mode} junk {junk}"
+            print(f"START {where}", flush=True)
+            os.environ[env.SHAPE_BUCKETS] = mode
+            graphs.clear_cache()
+            torch.full((1 << 26,), junk, device=DEV)  # freed at once: its block is what comes next
+            n = len(asked)
+            _, lse = csp.attention(q, k, v, seq_lens_q=lq, seq_lens_kv=lk, return_lse=True)
+            assert asked[n:] and all(key.ragged == (mode == "1") for key in asked[n:]), (mode, asked[n:])
+            lses.setdefault(mode, []).append(lse)
+        os.environ[env.SHAPE_BUCKETS] = "1"
+        exact = lses["0"][0]
+        past = rows.rows_past(lq, s).expand(exact.shape)
+        assert (exact.masked_select(past) == float("-inf")).all(), "the exact graph's rows past len_q are -inf"
+        for fold in lses["1"]:
+            assert torch.equal(fold.masked_select(past), exact.masked_select(past)), \
+                f"H {h_q}/{h_kv}: rows past the lengths differ from the exact graph's (-inf)"
+            live = ~past
+            assert_rel_close(fold.masked_select(live), exact.masked_select(live), LSE_TOL, f"H {h_q}/{h_kv} lse")
+        _untouched(f"padded LSE H {h_q}/{h_kv}", qg, kg, vg)
+
+
 def _lengths_in(lo: int, hi: int, n: int, seed: int) -> list[int]:
     """``n`` distinct lengths in [lo, hi], every 2^k - 1, 2^k, 2^k + 1 inside among them, shuffled."""
     edges = {e for k in range(1, 16) for e in (2**k - 1, 2**k, 2**k + 1) if lo <= e <= hi}
@@ -442,6 +479,10 @@ def test_gapped_layouts_forward_and_backward():
 
 def test_padded_rows_past_the_lengths_are_the_exact_graph_s():
     _in_child("_padded_body")
+
+
+def test_a_padded_fold_s_lse_past_the_lengths_is_the_exact_graph_s():
+    _in_child("_padded_lse_body")
 
 
 def test_a_200_length_sweep_builds_at_most_one_forward_and_one_backward_graph_per_bucket():
