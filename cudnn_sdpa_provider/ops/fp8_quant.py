@@ -65,8 +65,9 @@ IMPLS = ("auto", "triton", "compiled", "torch")
 VERIFIED: tuple = ((9, 0),)
 #: Compute capabilities where ``auto`` also takes the kernels that quantise q, k and v together and
 #: turn the output back (``attention_inputs``, ``dequantize``: 4 launches instead of about 35, the
-#: forward's host cost). Empty until the GPU tests have passed on them; ``triton`` forces them.
-GROUPED_VERIFIED: tuple = ()
+#: forward's host cost): their device tests (bits and counts against the torch path, the backward's
+#: twins, the FP8 tests with them forced) passed there (sm_90: GPU runs 57 and 60, results/gpu-runs.md).
+GROUPED_VERIFIED: tuple = ((9, 0),)
 #: A delayed scale this many times below the current one is redone (values would flush to 0).
 UNDER = 16.0
 #: O is stored with scale = the largest power of 2 at most (largest FP8 value x this) / max |V|
@@ -215,14 +216,21 @@ def _compiled(name: str):
     return torch.compile(fn, dynamic=True)
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON: list = []  # [whether triton imports], once known
+
+
 def triton_available() -> bool:
-    """Whether ``triton`` imports here (it ships with torch's CUDA builds, not with its CPU ones)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # an ImportError, or a broken install: the torch path serves
-        return False
-    return True
+    """Whether ``triton`` imports here (it ships with torch's CUDA builds, not with its CPU ones);
+    found once. A plain memo, not ``functools.lru_cache``: torch.compile refuses to trace through
+    that wrapper under ``fullgraph=True`` (GPU run 57)."""
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+        except Exception:  # an ImportError, or a broken install: the torch path serves
+            _TRITON.append(False)
+        else:
+            _TRITON.append(True)
+    return _TRITON[0]
 
 
 def choose(impl: str, x: torch.Tensor) -> str:

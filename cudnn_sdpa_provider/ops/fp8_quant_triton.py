@@ -282,7 +282,8 @@ def _fp8_value(bits, SOFT: tl.constexpr):
         mant = b & 0x7
         normal = (sign | ((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
         tiny = mant.to(tl.float32) * (1.0 / 512.0)  # exp 0: mant x 2^-9
-        tiny = tl.where(sign != 0, -tiny, tiny)
+        # the sign as a bit, not a negation: compiled for the GPU, -x of +0.0 gave +0.0 (run 57)
+        tiny = (tiny.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         value = tl.where(exp == 0, tiny, normal)
         return tl.where((exp == 15) & (mant == 7), float("nan"), value)
     else:
