@@ -124,6 +124,46 @@ def test_decode_over_a_growing_cache_builds_one_graph_per_doubling(fake):
     assert sum(key.ragged for key in keys) == 4
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "token_major", "head_slice"])
+def test_a_new_decode_length_rebinds_from_its_family_s_template(fake, monkeypatch, kind):
+    """Decode over a growing cache (GQA 8/2, window (3, 0) bottom-right): the first length of each
+    bucket binds in full, every later one is derived from that binding (``folded.rebind_forward``:
+    same graph, new lengths and offsets); a K/V layout whose strides do not follow from S (a
+    head-dim slice) binds every length in full. Answers match fp64 at every length, rebinds and
+    full binds alike."""
+    full, real = [], folded.bind_forward
+    monkeypatch.setattr(folded, "bind_forward", lambda *a, **kw: full.append(a[1].shape[2]) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(18)
+    for s_kv in range(17, 40):  # buckets 32 and 64; 32 itself is a power of two
+        q, k, v = _operands(kind, 2, 8, 2, 1, s_kv, 8, gen)
+        out, _ = dense.forward(q, k, v, scale=0.3, window=(3, 0), bottom_right=True, compute_lse=False)
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, window=(3, 0), bottom_right=True,
+                                  compute_dtype=torch.float64)
+        assert_rel_close(out, want, TOL, f"out at S_kv={s_kv}")
+    assert full == (list(range(17, 40)) if kind == "head_slice" else [17, 33]), full
+    assert sum(g.key.ragged for g in fake) == 2
+
+
+def test_a_rebind_defers_to_a_full_bind_on_another_stream_or_with_the_fold_off(fake, monkeypatch):
+    """A template whose small tensors were made on another stream is not reused (its upload event
+    would not cover them); with the fold turned off after the template was made, new lengths take
+    their exact graphs."""
+    full, real = [], folded.bind_forward
+    monkeypatch.setattr(folded, "bind_forward", lambda *a, **kw: full.append(a[1].shape[2]) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(19)
+    calls = lambda s_kv: dense.forward(*_operands("contiguous", 2, 8, 2, 1, s_kv, 8, gen), scale=0.3,  # noqa: E731
+                                       compute_lse=False)
+    monkeypatch.setattr(folded, "_made", lambda device: (folded.fv.stream_of(device), "event"))  # as on CUDA
+    calls(20)
+    monkeypatch.setattr(folded.fv, "stream_of", lambda device: 5)
+    calls(21)  # another stream: a full bind, which becomes the template
+    calls(22)
+    assert full == [20, 21], full
+    monkeypatch.setenv(env.SHAPE_BUCKETS, "0")
+    calls(23)
+    assert not fake[-1].key.ragged and len(full) == 2, "the fold turned off: an exact graph, no rebind"
+
+
 def test_a_power_of_two_shape_keeps_its_exact_graph(fake):
     gen = torch.Generator().manual_seed(8)
     q, k, v = _operands("contiguous", 1, 2, 2, 16, 16, 8, gen)

@@ -27,7 +27,7 @@ import torch
 from ..core import layout
 
 __all__ = ["SMALL_KEPT", "AHEAD", "stream_of", "fold_strides", "length_request", "offsets_request", "resolve",
-           "ahead", "kept", "clear"]
+           "ahead", "kept", "clear", "layout_of"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
 #: eviction frees nothing a binding still needs.
@@ -90,13 +90,23 @@ def _offsets(n: int, h_kv: int, sb: int, sg: int) -> torch.Tensor:
     return ((i // h_kv) * sb + (i % h_kv) * sg).to(torch.int32)
 
 
-def _predicted_stride(t: torch.Tensor, s: int):
-    """``t``'s strides at length ``s`` when its layout fixes them (contiguous BHSD, or token-major
-    BSHD seen through ``transpose(1, 2)``), else None."""
-    b, h, _, d = t.shape
+def layout_of(t: torch.Tensor) -> str | None:
+    """``"bhsd"`` (contiguous), ``"bshd"`` (token-major, seen through ``transpose(1, 2)``) or None: the
+    layouts whose strides follow from their length alone."""
     if t.is_contiguous():
-        return (h * s * d, s * d, d, 1)
+        return "bhsd"
     if t.transpose(1, 2).is_contiguous():
+        return "bshd"
+    return None
+
+
+def _predicted_stride(t: torch.Tensor, s: int):
+    """``t``'s strides at length ``s`` when its layout fixes them (``layout_of``), else None."""
+    _, h, _, d = t.shape
+    kind = layout_of(t)
+    if kind == "bhsd":
+        return (h * s * d, s * d, d, 1)
+    if kind == "bshd":
         return (s * h * d, d, h * d, 1)
     return None
 

@@ -18,9 +18,12 @@ build on an H200). Folding removes S from everything the graph declares:
   and S_q > 1) is copied to token-major order first, its output written token-major and copied.
 
 So one forward and one backward graph per (configuration, S_q bucket, S_kv bucket) serve every
-length in the bucket. The LSE is (B, H, S_q, 1) contiguous as on the exact path: written in place
-where its strides do not depend on S (G == 1 or S_q == 1), else token-major and copied; the
-backward reads it padded to the bucket, (B, H, S_b, 1) (cuDNN < 9.26 misreads non-packed stats).
+length in the bucket. A decode call at a new KV length whose K and V are contiguous BHSD or
+token-major (a growing cache) is bound from the first binding of its bucket (``decode_family``,
+``rebind_forward``): the same graph, uids and outputs; only the KV length's small tensors are new.
+The LSE is (B, H, S_q, 1) contiguous as on the exact path: written in place where its strides do
+not depend on S (G == 1 or S_q == 1), else token-major and copied; the backward reads it padded
+to the bucket, (B, H, S_b, 1) (cuDNN < 9.26 misreads non-packed stats).
 
 A padded call (per-sequence lengths) folds too: its lengths are the call's own (the caller makes
 out-of-range ones 0 and fixes the rows that are 0 or NaN by definition, as on the exact path). The
@@ -46,7 +49,8 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "VERIFIED", "verified", "verified_on", "capturing", "applies", "bind_forward", "run_forward", "bind_backward", "run_backward"]
+__all__ = ["seqlen_bucket", "mode", "VERIFIED", "verified", "verified_on", "capturing", "applies", "bind_forward",
+           "decode_family", "rebind_forward", "run_forward", "bind_backward", "run_backward"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -267,6 +271,47 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
                           "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device),
                           "made": _made(q.device)},
                    fix=copy_q)
+
+
+def decode_family(q, k, v) -> tuple | None:
+    """What a decode forward's folded binding depends on besides its KV length, beyond the query's
+    own signature: the KV length bucket, and for K and V their batch and head counts, head dim,
+    dtype, 16-byte alignment and layout (``fold_values.layout_of``). Two calls of one family bind
+    the same graph, uids and output layout, and differ only in the KV length's small tensors
+    (``rebind_forward``). None for S_q > 1 or a K/V layout whose strides do not follow from S."""
+    if q.shape[2] != 1:
+        return None
+    parts = [seqlen_bucket(k.shape[2])]
+    for t in (k, v):
+        kind = fv.layout_of(t)
+        if kind is None:
+            return None
+        parts.append((t.shape[0], t.shape[1], t.shape[3], t.dtype, t.data_ptr() % layout.ALIGN == 0, kind))
+    return tuple(parts)
+
+
+def rebind_forward(template: Binding, q, k, v, *, window, bottom_right: bool) -> Binding | None:
+    """The binding of a decode forward at a new KV length, from ``template``, a folded binding of
+    the same family (``decode_family``) and query signature: its plan, uids and outputs, with the new
+    length's KV lengths, K/V offsets and dead rows. None where a full bind must decide instead: the
+    offsets would pass int32, or the template's tensors were made on another stream."""
+    made = template.extra["made"]
+    if made is not None and made[0] != fv.stream_of(q.device):
+        return None
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    if max(_end(k, h_kv, 1), _end(v, h_kv, 1)) > _INT32_MAX:
+        return None
+    n = q.shape[0] * h_kv
+    stream = fv.stream_of(q.device)
+    wanted = [fv.length_request(n, 1, q.device, stream), fv.length_request(n, s_kv, q.device, stream),
+              fv.offsets_request(k, h_kv, 1, stream), fv.offsets_request(v, h_kv, 1, stream)]
+    _, lengths_kv, off_k, off_v = _tensors(wanted, (k, v), n, h_kv, 1, s_kv, seqlen_bucket(s_kv), q.device, stream)
+    old = template.extra["tensors"]
+    tensors = (old[0], lengths_kv, old[2], off_k, off_v) + old[5:]
+    extra = dict(template.extra, tensors=tensors, dead=_dead(1, s_kv, window, bottom_right, q.device),
+                 made=_made(q.device))
+    return Binding(plan=template.plan, uids=template.uids, repair=template.repair, outputs=template.outputs,
+                   direct=template.direct, extra=extra, fix=template.fix)
 
 
 def _with_lengths(found: Binding, lengths) -> tuple:
