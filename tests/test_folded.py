@@ -144,6 +144,64 @@ def test_a_new_decode_length_rebinds_from_its_family_s_template(fake, monkeypatc
     assert sum(g.key.ragged for g in fake) == 2
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_a_new_prefill_length_binds_with_its_family_s_graph_which_is_the_one_its_key_finds(fake, monkeypatch, kind,
+                                                                                           heads):
+    """Causal prefill, forward and backward, at every length of the (16, 32] bucket: after the first,
+    each binds with its family's graph without building its key (``folded.family``); for every one
+    of them the key a full bind builds finds that same graph, and answers and gradients match fp64.
+    Layouts whose strides do not follow from S (a fused K/V projection, a head-dim slice) bind in
+    full every time."""
+    seen = {"family": 0, "full": 0}
+    for name in ("bind_forward", "bind_backward"):
+        real = getattr(folded, name)
+
+        def checked(*a, real=real, **kw):
+            if kw.get("plan") is None:
+                seen["full"] += 1
+                return real(*a, **kw)
+            seen["family"] += 1
+            full = real(*a, **{**kw, "plan": None, "build": False})
+            assert full is not None and full.plan is kw["plan"], "the family's graph is not the one its key finds"
+            return real(*a, **kw)
+
+        monkeypatch.setattr(folded, name, checked)
+    gen = torch.Generator().manual_seed(20)
+    for s in range(17, 32):
+        q, k, v = _operands(kind, 2, heads[0], heads[1], s, s, 8, gen)
+        _check(q, k, v, torch.randn(2, s, heads[0], 8, generator=gen).transpose(1, 2), window=(-1, 0))
+    predictable = kind in ("contiguous", "token_major", "mixed")
+    assert seen == ({"family": 28, "full": 2} if predictable else {"family": 0, "full": 30}), seen
+    assert sum(g.key.ragged for g in fake) == 2, "one forward and one backward graph"
+
+
+def test_families_of_other_layouts_in_one_bucket_keep_their_own_graphs(fake, monkeypatch):
+    """BHSD and token-major operands alternating inside one bucket, prefill and decode: each call's
+    family finds a graph whose key is its own (the families differ by layout)."""
+    plans = []
+    real = folded.bind_forward
+
+    def checked(*a, **kw):
+        if kw.get("plan") is not None:
+            full = real(*a, **{**kw, "plan": None, "build": False})
+            assert full is not None and full.plan is kw["plan"], "another layout's graph"
+            plans.append(kw["plan"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(folded, "bind_forward", checked)
+    gen = torch.Generator().manual_seed(21)
+    for s in range(17, 27):
+        for kind in ("contiguous", "token_major"):
+            for s_q in (s, 1):
+                q, k, v = _operands(kind, 2, 4, 2, s_q, s, 8, gen)
+                out, _ = dense.forward(q, k, v, scale=0.3, window=(-1, 0), bottom_right=True)
+                want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, window=(-1, 0),
+                                          bottom_right=True, compute_dtype=torch.float64)
+                assert_rel_close(out, want, TOL, f"{kind} S_q={s_q} S_kv={s}")
+    assert len(set(map(id, plans))) == 2 and sum(g.key.ragged for g in fake) == 4, "two prefill graphs, two decode"
+
+
 def test_a_rebind_defers_to_a_full_bind_on_another_stream_or_with_the_fold_off(fake, monkeypatch):
     """A template whose small tensors were made on another stream is not reused (its upload event
     would not cover them); with the fold turned off after the template was made, new lengths take
@@ -219,6 +277,28 @@ def test_offsets_never_overflow_int32(monkeypatch):
     huge = meta((64, 8, 1, 128), (2**25, 128, 128, 1))  # 64 batch rows 2**25 elements apart
     assert not folded.applies(huge, huge, huge)
     assert folded._end(huge, 8, 1) > 2**31 - 1 >= folded._end(fits, 8, 1)
+
+
+def test_a_family_s_graph_is_not_taken_where_k_or_v_offsets_would_overflow_int32(fake, monkeypatch):
+    """The family paths skip ``applies``, so they check K's and V's ends themselves: a decode rebind
+    and a bind with its family's graph decline where K's offsets would not fit int32, and the call
+    takes its exact graph."""
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = _operands("contiguous", 2, 8, 2, 1, 17, 8, gen)
+    dense.forward(q, k, v, scale=0.3, compute_lse=False)  # the template; K's end 2 * 2 * 17 * 8
+    monkeypatch.setattr(folded, "_INT32_MAX", 700)
+    q, k, v = _operands("contiguous", 2, 8, 2, 1, 30, 8, gen)  # K's end 960
+    out, _ = dense.forward(q, k, v, scale=0.3, compute_lse=False)
+    assert not fake[-1].key.ragged, "past int32: the exact graph"
+    want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, compute_dtype=torch.float64)
+    assert_rel_close(out, want, TOL, "out")
+    monkeypatch.setattr(folded, "_FAKE_DEVICES", {"cpu", "meta"})
+    meta = lambda shape, stride: torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    qm = meta((1, 4, 9, 8), (288, 8, 32, 1))  # token-major: small ends
+    huge = meta((1, 2, 9, 8), (2**31, 2**30, 8, 1))  # one batch row, KV heads 2**30 elements apart
+    monkeypatch.setattr(folded, "_INT32_MAX", 2**31 - 1)
+    assert folded.bind_forward(qm, huge, huge, scale=0.3, window=(-1, -1), bottom_right=False, compute_lse=False,
+                               plan=object()) is None
 
 
 def test_every_declared_stride_is_16_byte_aligned(fake):

@@ -133,9 +133,9 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        family = _decode_family(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right,
-                                compute_lse)
-        found = _rebound(family, q, k, v, window, bottom_right)
+        family = _fwd_family(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right,
+                             compute_lse)
+        found = _rebound(family, q, k, v, scale, window, bottom_right, compute_lse)
         if found is None:
             found = _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window,
                                   bottom_right, compute_lse)
@@ -235,28 +235,46 @@ def _try_fold(foldable: bool, s_q: int, s_kv: int, device, bind):
         return None
 
 
-def _decode_family(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
-    """The key under which a folded decode binding serves as the template of the same call at other
-    KV lengths (``folded.decode_family``), or None: not decode, options the fold does not take, or
-    a K/V layout whose strides do not follow from S."""
-    if q.shape[2] != 1 or bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 \
-            or rng_dump is not None:
+def _fwd_family(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
+    """The key under which a folded forward binding serves as the template of the same call at other
+    lengths of its buckets, or None: options the fold does not take, or a layout whose strides do
+    not follow from S. Decode keys the query exactly (``folded.decode_family``: only the KV length
+    changes); a longer query by its family and bucket (``folded.family``)."""
+    if bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 or rng_dump is not None:
         return None
-    family = folded.decode_family(q, k, v)
+    if q.shape[2] == 1:
+        family, query = folded.decode_family(q, k, v), tensor_key(q)
+    else:
+        family = folded.family(q, k, v)
+        query = (folded.seqlen_bucket(q.shape[2]), folded.seqlen_bucket(k.shape[2]))
     if family is None:
         return None
-    return ("dense_fwd_family", q.device.index, tensor_key(q), scale, window, bottom_right, compute_lse, family)
+    return ("dense_fwd_family", q.device.index, query, scale, window, bottom_right, compute_lse, family)
 
 
-def _rebound(family, q, k, v, window, bottom_right):
-    """A decode call's binding at a new KV length from its family's template, or None: no template,
-    the fold not wanted now, a capture, or ``folded.rebind_forward`` declines. (GPU run 58: a first
-    call at a new decode length took 0.32 ms against the repeated call's 0.125 ms; on the CPU tier,
-    most of that difference was the Python of a full bind.)"""
+def _template(family, s_q: int, s_kv: int, device):
+    """The binding stored under ``family``, when the fold may take this call now (not turned off,
+    no capture), else None."""
     template = bd.lookup(family) if family is not None else None
-    if template is None or _fold_wanted(1, k.shape[2], q.device) is False or folded.capturing():
+    if template is None or _fold_wanted(s_q, s_kv, device) is False or folded.capturing():
         return None
-    return folded.rebind_forward(template, q, k, v, window=window, bottom_right=bottom_right)
+    return template
+
+
+def _rebound(family, q, k, v, scale, window, bottom_right, compute_lse):
+    """A forward's binding at new lengths from its family's template, or None (no template, or the
+    fold declines: a full bind decides). Decode derives it (``folded.rebind_forward``: new KV
+    lengths and offsets); a longer query binds with the template's graph, without building or
+    looking up its key. (GPU run 58: a first call at a new decode length took 0.32 ms against the
+    repeated call's 0.125 ms; on the CPU tier, most of that difference was the Python of a full
+    bind.)"""
+    template = _template(family, q.shape[2], k.shape[2], q.device)
+    if template is None:
+        return None
+    if q.shape[2] == 1:
+        return folded.rebind_forward(template, q, k, v, window=window, bottom_right=bottom_right)
+    return folded.bind_forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right,
+                               compute_lse=compute_lse, plan=template.plan)
 
 
 def _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window, bottom_right,
@@ -279,6 +297,19 @@ def _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, d
     return _try_fold(foldable, q.shape[2], k.shape[2], q.device, lambda build: folded.bind_backward(
         grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right, deterministic=deterministic,
         padded=seq_len_q is not None, build=build))
+
+
+def _bwd_family(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window, bottom_right,
+                deterministic):
+    """As ``_fwd_family`` for a backward (not deterministic: ``_fold_backward`` keeps those exact),
+    keyed by the families of dO, Q, K, V and O and the length buckets."""
+    if deterministic or bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0:
+        return None
+    family = folded.family(grad_out, q, k, v, out)
+    if family is None:
+        return None
+    buckets = (folded.seqlen_bucket(q.shape[2]), folded.seqlen_bucket(k.shape[2]))
+    return ("dense_bwd_family", q.device.index, buckets, scale, window, bottom_right, family)
 
 
 def _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p, compute_lse,
@@ -322,8 +353,17 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         bias = bias_operand(bias, q, k)
     found = bd.lookup(signature)
     if found is None:
-        found = _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, dropout_p, scale, window,
-                               bottom_right, deterministic)
+        family = _bwd_family(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window, bottom_right,
+                             deterministic)
+        template = _template(family, q.shape[2], k.shape[2], q.device)
+        found = None if template is None else folded.bind_backward(
+            grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right, deterministic=False,
+            plan=template.plan)
+        if found is None:
+            found = _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, dropout_p, scale,
+                                   window, bottom_right, deterministic)
+            if found is not None and family is not None:
+                bd.store(family, found)
         found = bd.store(signature, found or _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q,
                                                             philox, scale, window, bottom_right, dropout_p,
                                                             deterministic))

@@ -50,7 +50,7 @@ from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
 __all__ = ["seqlen_bucket", "mode", "VERIFIED", "verified", "verified_on", "capturing", "applies", "bind_forward",
-           "decode_family", "rebind_forward", "run_forward", "bind_backward", "run_backward"]
+           "family", "decode_family", "rebind_forward", "run_forward", "bind_backward", "run_backward"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -236,9 +236,10 @@ def _tensors(wanted: list, kv: tuple, n: int, h_kv: int, s_q: int, s_kv: int, bu
 
 
 def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_lse: bool, padded: bool = False,
-                 build: bool = True) -> Binding | None:
+                 build: bool = True, plan=None) -> Binding | None:
     """The binding of a folded forward; its graph is found in the cache or, with ``build``, built
-    (``graphs.plan``); None when it is not cached and ``build`` is False."""
+    (``graphs.plan``); None when it is not cached and ``build`` is False. ``plan``: the graph of
+    this call's family (``family``), taken without building or looking up the key."""
     b, h_q, s_q, _ = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     groups, n = h_q // h_kv, b * h_kv
@@ -248,16 +249,19 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     out = layout.dense_out(q, (b, h_q, s_q, v.shape[3]))
     out_buf = _q_target(out, groups)
     lse, lse_buf = _lse_target(b, h_q, s_q, groups, q.device)
-    key = FwdKey(device=q.device.index, q=_q_desc(qr, n, groups, sq_b), k=_kv_desc(k, n, skv_b),
-                 v=_kv_desc(v, n, skv_b), o=_q_desc(out_buf, n, groups, sq_b),
-                 lse=_q_desc(lse_buf, n, groups, sq_b) if compute_lse else None, scale=float(scale),
-                 window=tuple(window), bottom_right=bool(bottom_right), ragged=True)
     uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ()) + (
         UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O) + ((UID.RAG_LSE,) if compute_lse else ())
     if max(_end(t, h_kv, groups) for t in (qr, out_buf, lse_buf)) > _INT32_MAX:
         return None  # int32 ragged offsets: the exact graph
-    plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
     if plan is None:
+        key = FwdKey(device=q.device.index, q=_q_desc(qr, n, groups, sq_b), k=_kv_desc(k, n, skv_b),
+                     v=_kv_desc(v, n, skv_b), o=_q_desc(out_buf, n, groups, sq_b),
+                     lse=_q_desc(lse_buf, n, groups, sq_b) if compute_lse else None, scale=float(scale),
+                     window=tuple(window), bottom_right=bool(bottom_right), ragged=True)
+        plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
+        if plan is None:
+            return None
+    elif max(_end(k, h_kv, 1), _end(v, h_kv, 1)) > _INT32_MAX:  # what ``applies`` checked for the family
         return None
     stream = fv.stream_of(q.device)
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream),
@@ -273,6 +277,23 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
                    fix=copy_q)
 
 
+def family(*tensors) -> tuple | None:
+    """What a folded binding depends on in these operands besides their lengths: for each, its batch
+    and head counts, head dim, dtype, 16-byte alignment and layout (``fold_values.layout_of``); None
+    where a layout's strides do not follow from S. Within one pair of length buckets, calls whose
+    operands and options agree in these build the same folded graph key: the strides a fold
+    declares (head-in-group, token) do not depend on S in these layouts, nor in the token-major
+    scratch that a copied operand, O or the LSE is written to (tests/test_folded.py compares the
+    keys)."""
+    parts = []
+    for t in tensors:
+        kind = fv.layout_of(t)
+        if kind is None:
+            return None
+        parts.append((t.shape[0], t.shape[1], t.shape[3], t.dtype, t.data_ptr() % layout.ALIGN == 0, kind))
+    return tuple(parts)
+
+
 def decode_family(q, k, v) -> tuple | None:
     """What a decode forward's folded binding depends on besides its KV length, beyond the query's
     own signature: the KV length bucket, and for K and V their batch and head counts, head dim,
@@ -281,13 +302,8 @@ def decode_family(q, k, v) -> tuple | None:
     (``rebind_forward``). None for S_q > 1 or a K/V layout whose strides do not follow from S."""
     if q.shape[2] != 1:
         return None
-    parts = [seqlen_bucket(k.shape[2])]
-    for t in (k, v):
-        kind = fv.layout_of(t)
-        if kind is None:
-            return None
-        parts.append((t.shape[0], t.shape[1], t.shape[3], t.dtype, t.data_ptr() % layout.ALIGN == 0, kind))
-    return tuple(parts)
+    kv = family(k, v)
+    return None if kv is None else (seqlen_bucket(k.shape[2]), kv)
 
 
 def rebind_forward(template: Binding, q, k, v, *, window, bottom_right: bool) -> Binding | None:
@@ -358,9 +374,10 @@ def _kv_target(grad: torch.Tensor) -> torch.Tensor:
 
 
 def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right: bool, deterministic: bool,
-                  padded: bool = False, build: bool = True) -> Binding | None:
-    """The binding of a folded backward (None as for ``bind_forward``). Query-side operands whose head stride follows S are copied
-    token-major; the LSE is read padded to the bucket, (B, H, S_b, 1)."""
+                  padded: bool = False, build: bool = True, plan=None) -> Binding | None:
+    """The binding of a folded backward (None and ``plan`` as for ``bind_forward``). Query-side
+    operands whose head stride follows S are copied token-major; the LSE is read padded to the
+    bucket, (B, H, S_b, 1)."""
     b, h_q, s_q, _ = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     groups, n = h_q // h_kv, b * h_kv
@@ -372,17 +389,19 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     lse = Desc((n, groups, sq_b, 1), (groups * sq_b, sq_b, 1, 1), torch.float32)  # padded: no offsets
     qd = lambda t: _q_desc(t, n, groups, sq_b)  # noqa: E731
     kd = lambda t: _kv_desc(t, n, skv_b)  # noqa: E731
-    key = BwdKey(device=q.device.index, q=qd(qr), k=kd(k), v=kd(v), o=qd(outr), do=qd(do), lse=lse,
-                 dq=qd(bufs[0]), dk=kd(bufs[1]), dv=kd(bufs[2]), scale=float(scale), window=tuple(window),
-                 bottom_right=bool(bottom_right), ragged=True, deterministic=bool(deterministic), padded_lse=True)
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV,
             UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
     if max([_end(t, h_kv, groups) for t in (qr, outr, do, bufs[0])]
-           + [_end(t, h_kv, 1) for t in bufs[1:]]) > _INT32_MAX:
+           + [_end(t, h_kv, 1) for t in (*bufs[1:], k, v)]) > _INT32_MAX:
         return None  # int32 ragged offsets: the exact graph
-    plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
     if plan is None:
-        return None
+        key = BwdKey(device=q.device.index, q=qd(qr), k=kd(k), v=kd(v), o=qd(outr), do=qd(do), lse=lse,
+                     dq=qd(bufs[0]), dk=kd(bufs[1]), dv=kd(bufs[2]), scale=float(scale), window=tuple(window),
+                     bottom_right=bool(bottom_right), ragged=True, deterministic=bool(deterministic),
+                     padded_lse=True)
+        plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
+        if plan is None:
+            return None
     stream = fv.stream_of(q.device)
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
     wanted += [fv.offsets_request(t, h_kv, groups, stream) for t in (qr,)]
