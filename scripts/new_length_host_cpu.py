@@ -7,7 +7,7 @@ or a causal prefill on token-major projections, forward and backward, at a new l
 and torch's CPU bookkeeping only: no kernel, no upload to a GPU. It is the part of GPU run 58's
 first-call cost (0.319 ms against 0.125 ms repeated, an H100) that does not need a GPU to see.
 
-    python3 scripts/new_length_host_cpu.py [--case decode|prefill] [--lengths 200] [--rounds 3]
+    python3 scripts/new_length_host_cpu.py [--case decode|prefill] [--lengths 100] [--rounds 3]
 
 Prints the median over rounds of the mean time per new-length call and per repeated call, in us.
 Timings on a shared 2-core machine vary between runs: compare rows of one run.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from cudnn_sdpa_provider.engine import dense, graphs  # noqa: E402
+from cudnn_sdpa_provider.engine import dense, folded, graphs  # noqa: E402
 from tests import fake_cudnn  # noqa: E402
 
 
@@ -39,7 +39,7 @@ class _Patch:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=("decode", "prefill"), default="decode")
-    parser.add_argument("--lengths", type=int, default=200, help="new lengths per round")
+    parser.add_argument("--lengths", type=int, default=100, help="new lengths per round")
     parser.add_argument("--rounds", type=int, default=3)
     a = parser.parse_args(argv)
     fake_cudnn.install(_Patch())
@@ -73,6 +73,10 @@ def main(argv=None) -> int:
             run(args)
         return (time.perf_counter() - t) / len(calls) * 1e6
 
+    last = start + a.lengths * (a.rounds + 1)
+    if folded.seqlen_bucket(start + 1) != folded.seqlen_bucket(last):
+        parser.error(f"lengths {start + 1}..{last} cross a length bucket (a build would be timed): "
+                     f"use --lengths {(folded.seqlen_bucket(start + 1) - start) // (a.rounds + 1)} or fewer")
     run(make(start))  # builds the bucket's graphs
     timed([make(s) for s in range(start + 1, start + 1 + a.lengths)])  # warm-up round
     new, repeated = [], []

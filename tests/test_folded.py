@@ -177,8 +177,9 @@ def test_a_new_prefill_length_binds_with_its_family_s_graph_which_is_the_one_its
 
 
 def test_families_of_other_layouts_in_one_bucket_keep_their_own_graphs(fake, monkeypatch):
-    """BHSD and token-major operands alternating inside one bucket, prefill and decode: each call's
-    family finds a graph whose key is its own (the families differ by layout)."""
+    """BHSD and token-major operands alternating inside one bucket: each prefill call's family finds
+    a graph whose key is its own (the families differ by layout); decode calls, derived by
+    ``rebind_forward``, are checked by their answers."""
     plans = []
     real = folded.bind_forward
 
@@ -200,6 +201,94 @@ def test_families_of_other_layouts_in_one_bucket_keep_their_own_graphs(fake, mon
                                           bottom_right=True, compute_dtype=torch.float64)
                 assert_rel_close(out, want, TOL, f"{kind} S_q={s_q} S_kv={s}")
     assert len(set(map(id, plans))) == 2 and sum(g.key.ragged for g in fake) == 4, "two prefill graphs, two decode"
+
+
+def _family_checked(monkeypatch) -> dict:
+    """Wrap the family paths: a bind with a family's graph, or a decode rebind, must use the graph
+    that the call's own key finds (a full bind without building); counts the family hits."""
+    hits = {"fwd": 0, "bwd": 0, "rebind": 0}
+    for name, kind in (("bind_forward", "fwd"), ("bind_backward", "bwd")):
+        real = getattr(folded, name)
+
+        def checked(*a, real=real, kind=kind, **kw):
+            if kw.get("plan") is not None:
+                hits[kind] += 1
+                full = real(*a, **{**kw, "plan": None, "build": False})
+                assert full is not None and full.plan is kw["plan"], f"{kind}: a family's graph that is not the call's"
+            return real(*a, **kw)
+
+        monkeypatch.setattr(folded, name, checked)
+    real_rebind, real_bind = folded.rebind_forward, folded.bind_forward
+
+    def rebind(template, q, k, v, *, window, bottom_right):
+        hits["rebind"] += 1
+        return real_rebind(template, q, k, v, window=window, bottom_right=bottom_right)
+
+    monkeypatch.setattr(folded, "rebind_forward", rebind)
+    return hits
+
+
+@pytest.mark.parametrize("change", ["scale", "window", "bottom_right", "compute_lse", "bucket", "misaligned"])
+@pytest.mark.parametrize("s_q", [1, None])  # decode; chunked prefill with S_q = S_kv - 3
+def test_a_call_that_differs_in_one_keyed_field_never_takes_another_family_s_template(fake, monkeypatch, change,
+                                                                                      s_q):
+    """A template made by one call, then a call at another length that differs from it in one field
+    the family keys (scale, window, alignment, LSE, bucket, ...): the second call must not run on the
+    first one's graph (``_family_checked``), and its answers (and gradients, for prefill) match fp64.
+    A misaligned operand must not fold at all."""
+    hits = _family_checked(monkeypatch)
+    gen = torch.Generator().manual_seed(23)
+    base = {"scale": 0.3, "window": (-1, 0), "bottom_right": True, "compute_lse": True}
+    other = dict(base, **{"scale": {"scale": 0.2}, "window": {"window": (2, 0)},
+                          "bottom_right": {"bottom_right": False}, "compute_lse": {"compute_lse": False}}.get(change, {}))
+    for s, opts in ((17, base), (40 if change == "bucket" else 23, other)):
+        q, k, v = _operands("contiguous", 2, 4, 2, s_q or s - 3, s, 8, gen)
+        if change == "misaligned" and opts is other:
+            k = torch.randn(2 * 2 * s * 8 + 1, generator=gen)[1:].view(2, 2, s, 8)  # contiguous, base 4 bytes off
+        n = len(fake)
+        out, lse = dense.forward(q, k, v, **opts)
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=opts["scale"], window=opts["window"],
+                                  bottom_right=opts["bottom_right"], compute_dtype=torch.float64)
+        assert_rel_close(out, want, TOL, f"{change}: out")
+        if change == "misaligned" and opts is other:
+            assert len(fake) > n and not fake[-1].key.ragged, "a misaligned operand folded"
+        if s_q is None and opts["compute_lse"]:
+            go = torch.randn(out.shape, generator=gen)
+            dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=opts["scale"], window=opts["window"],
+                                           bottom_right=opts["bottom_right"])
+            ref = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=opts["scale"],
+                                           window=opts["window"], bottom_right=opts["bottom_right"],
+                                           compute_dtype=torch.float64)
+            for got, r, name in zip((dq, dk, dv), ref, ("dq", "dk", "dv")):
+                assert_rel_close(got, r, TOL, f"{change}: {name}")
+    assert hits == {"fwd": 0, "bwd": 0, "rebind": 0}, hits
+
+
+def test_a_decode_rebind_gives_k_and_v_their_own_offsets(fake, monkeypatch):
+    """K contiguous BHSD and V token-major (their offsets differ): the derived binding gives each its
+    own, at every new length (a mix-up reads V through K's strides)."""
+    hits = _family_checked(monkeypatch)
+    gen = torch.Generator().manual_seed(24)
+    for s in range(17, 24):
+        q, k, _ = _operands("contiguous", 2, 8, 2, 1, s, 8, gen)
+        _, _, v = _operands("token_major", 2, 8, 2, 1, s, 8, gen)
+        out, _ = dense.forward(q, k, v, scale=0.3, compute_lse=False)
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, compute_dtype=torch.float64)
+        assert_rel_close(out, want, TOL, f"out at S_kv={s}")
+    assert hits["rebind"] == 6, hits
+
+
+def test_no_template_is_taken_while_a_cuda_graph_is_captured(fake, monkeypatch):
+    """A capture must not upload or bind anything new: while one is under way, no family path runs."""
+    hits = _family_checked(monkeypatch)
+    gen = torch.Generator().manual_seed(25)
+    dense.forward(*_operands("contiguous", 2, 8, 2, 1, 17, 8, gen), scale=0.3, compute_lse=False)
+    dense.forward(*_operands("token_major", 2, 4, 2, 17, 17, 8, gen), scale=0.3, window=(-1, 0))
+    monkeypatch.setattr(folded, "capturing", lambda: True)
+    for s_q in (1, 18):
+        dense.forward(*_operands("contiguous" if s_q == 1 else "token_major", 2, 8 if s_q == 1 else 4, 2, s_q, 18, 8,
+                                 gen), scale=0.3, window=(-1, 0) if s_q > 1 else (-1, -1), compute_lse=s_q > 1)
+    assert hits == {"fwd": 0, "bwd": 0, "rebind": 0}, hits
 
 
 def test_a_rebind_defers_to_a_full_bind_on_another_stream_or_with_the_fold_off(fake, monkeypatch):

@@ -240,7 +240,8 @@ def _fwd_family(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, win
     lengths of its buckets, or None: options the fold does not take, or a layout whose strides do
     not follow from S. Decode keys the query exactly (``folded.decode_family``: only the KV length
     changes); a longer query by its family and bucket (``folded.family``)."""
-    if bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 or rng_dump is not None:
+    if bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 or rng_dump is not None \
+            or min(q.shape[2], k.shape[2]) == 0:  # empty: ``folded.applies`` refuses it
         return None
     if q.shape[2] == 1:
         family, query = folded.decode_family(q, k, v), tensor_key(q)
@@ -303,7 +304,8 @@ def _bwd_family(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale
                 deterministic):
     """As ``_fwd_family`` for a backward (not deterministic: ``_fold_backward`` keeps those exact),
     keyed by the families of dO, Q, K, V and O and the length buckets."""
-    if deterministic or bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0:
+    if deterministic or bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 \
+            or min(q.shape[2], k.shape[2]) == 0:
         return None
     family = folded.family(grad_out, q, k, v, out)
     if family is None:

@@ -100,15 +100,9 @@ def layout_of(t: torch.Tensor) -> str | None:
     return None
 
 
-def _predicted_stride(t: torch.Tensor, s: int):
-    """``t``'s strides at length ``s`` when its layout fixes them (``layout_of``), else None."""
-    _, h, _, d = t.shape
-    kind = layout_of(t)
-    if kind == "bhsd":
-        return (h * s * d, s * d, d, 1)
-    if kind == "bshd":
-        return (s * h * d, d, h * d, 1)
-    return None
+def _strides(kind: str, h: int, s: int, d: int) -> tuple:
+    """The strides of an (B, h, s, d) tensor of layout ``kind`` (``layout_of``)."""
+    return (h * s * d, s * d, d, 1) if kind == "bhsd" else (s * h * d, d, h * d, 1)
 
 
 def ahead(kv: tuple, n: int, h_kv: int, s_kv: int, bucket: int, device, stream: int) -> list:
@@ -123,10 +117,11 @@ def ahead(kv: tuple, n: int, h_kv: int, s_kv: int, bucket: int, device, stream: 
     i = torch.arange(n + 1, dtype=torch.int64)
     fold, group = i // h_kv, i % h_kv
     for t in kv:
-        if _predicted_stride(t, lengths[0]) is None:
+        kind = layout_of(t)
+        if kind is None:
             continue
-        pairs = [fold_strides((t.shape[0], t.shape[1], s, t.shape[3]), _predicted_stride(t, s), t.element_size(),
-                              h_kv, 1) for s in lengths]
+        pairs = [fold_strides((t.shape[0], t.shape[1], s, t.shape[3]), _strides(kind, t.shape[1], s, t.shape[3]),
+                              t.element_size(), h_kv, 1) for s in lengths]
         keys = [("off", device, stream, n, h_kv, sb, sg) for sb, sg in pairs]
         if any(keys[0] == block[0][0] for block in blocks):
             continue  # K and V with the same strides

@@ -234,7 +234,6 @@ def _tensors(wanted: list, kv: tuple, n: int, h_kv: int, s_q: int, s_kv: int, bu
     return tuple(found[key] for key, _ in wanted)
 
 
-
 def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_lse: bool, padded: bool = False,
                  build: bool = True, plan=None) -> Binding | None:
     """The binding of a folded forward; its graph is found in the cache or, with ``build``, built
