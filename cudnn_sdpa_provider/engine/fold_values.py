@@ -26,7 +26,7 @@ import torch
 
 from ..core import layout
 
-__all__ = ["SMALL_KEPT", "AHEAD", "stream_of", "fold_strides", "length_request", "offsets_request", "resolve",
+__all__ = ["SMALL_KEPT", "AHEAD", "stream_of", "fold_strides", "length_key", "length_request", "offsets_request", "resolve",
            "ahead", "kept", "clear", "layout_of"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
@@ -72,9 +72,18 @@ def fold_strides(shape, stride, itemsize: int, h_kv: int, groups: int) -> tuple[
     return max(h_kv * sg, -(-extent // per) * per), sg
 
 
+def length_key(n: int, s: int, device, stream: int) -> tuple:
+    """The key of the (n, 1, 1, 1) lengths tensor whose every entry is ``s``."""
+    return ("len", device, stream, n, s)
+
+
+def _offsets_key(device, stream: int, n: int, h_kv: int, sb: int, sg: int) -> tuple:
+    return ("off", device, stream, n, h_kv, sb, sg)
+
+
 def length_request(n: int, s: int, device, stream: int):
     """(key, values) of the (n, 1, 1, 1) lengths tensor whose every entry is ``s``."""
-    return ("len", device, stream, n, s), (lambda: torch.full((n,), s, dtype=torch.int32))
+    return length_key(n, s, device, stream), (lambda: torch.full((n,), s, dtype=torch.int32))
 
 
 def offsets_request(t: torch.Tensor, h_kv: int, groups: int, stream: int):
@@ -82,12 +91,14 @@ def offsets_request(t: torch.Tensor, h_kv: int, groups: int, stream: int):
     i = b * H_kv + g starts at b * stride_b + g * stride_g; the last entry, B * stride_b, is the end."""
     sb, sg = fold_strides(t.shape, t.stride(), t.element_size(), h_kv, groups)
     n = t.shape[0] * h_kv
-    return ("off", t.device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg))
+    return _offsets_key(t.device, stream, n, h_kv, sb, sg), (lambda: _offset_rows(n, h_kv, [sb], [sg])[0])
 
 
-def _offsets(n: int, h_kv: int, sb: int, sg: int) -> torch.Tensor:
+def _offset_rows(n: int, h_kv: int, sb, sg) -> torch.Tensor:
+    """(len(sb), n + 1) int32: row j holds the offsets of folds 0..n for strides (sb[j], sg[j])."""
     i = torch.arange(n + 1, dtype=torch.int64)
-    return ((i // h_kv) * sb + (i % h_kv) * sg).to(torch.int32)
+    sb, sg = (torch.tensor(x, dtype=torch.int64)[:, None] for x in (sb, sg))
+    return ((i // h_kv)[None, :] * sb + (i % h_kv)[None, :] * sg).to(torch.int32)
 
 
 def layout_of(t: torch.Tensor) -> str | None:
@@ -112,21 +123,19 @@ def ahead(kv: tuple, n: int, h_kv: int, s_kv: int, bucket: int, device, stream: 
     lengths = list(range(s_kv + 1, min(s_kv + AHEAD, bucket) + 1))
     if not lengths:
         return []
-    blocks = [([("len", device, stream, n, s) for s in lengths],
+    blocks = [([length_key(n, s, device, stream) for s in lengths],
                torch.tensor(lengths, dtype=torch.int32)[:, None].expand(len(lengths), n))]
-    i = torch.arange(n + 1, dtype=torch.int64)
-    fold, group = i // h_kv, i % h_kv
     for t in kv:
         kind = layout_of(t)
         if kind is None:
             continue
         pairs = [fold_strides((t.shape[0], t.shape[1], s, t.shape[3]), _strides(kind, t.shape[1], s, t.shape[3]),
                               t.element_size(), h_kv, 1) for s in lengths]
-        keys = [("off", device, stream, n, h_kv, sb, sg) for sb, sg in pairs]
+        keys = [_offsets_key(device, stream, n, h_kv, sb, sg) for sb, sg in pairs]
         if any(keys[0] == block[0][0] for block in blocks):
             continue  # K and V with the same strides
-        sb, sg = torch.tensor(pairs, dtype=torch.int64).unbind(1)
-        blocks.append((keys, (fold[None, :] * sb[:, None] + group[None, :] * sg[:, None]).to(torch.int32)))
+        sb, sg = zip(*pairs)
+        blocks.append((keys, _offset_rows(n, h_kv, sb, sg)))
     return blocks
 
 

@@ -226,10 +226,15 @@ def _lse_target(b: int, h: int, s_q: int, groups: int, device) -> tuple[torch.Te
 # ---------------------------------------------------------------------------------------- forward
 
 
-def _tensors(wanted: list, kv: tuple, n: int, h_kv: int, s_q: int, s_kv: int, bucket: int, device, stream) -> tuple:
+def _tensors(wanted: list, device, stream, decode=None) -> tuple:
     """The binding's small device tensors in ``wanted``'s order, in one upload for those not kept
-    (``fold_values``); a decode forward that misses its KV length uploads the next lengths' too."""
-    blocks = fv.ahead(kv, n, h_kv, s_kv, bucket, device, stream) if kv and s_q == 1 and wanted[1][0] not in fv.kept() else ()
+    (``fold_values``). ``decode``, (k, v, n, H_kv, S_kv): a decode forward's; when its KV length is
+    not kept, the next lengths' are uploaded too (``fold_values.ahead``)."""
+    blocks = ()
+    if decode is not None:
+        k, v, n, h_kv, s_kv = decode
+        if fv.length_key(n, s_kv, device, stream) not in fv.kept():
+            blocks = fv.ahead((k, v), n, h_kv, s_kv, seqlen_bucket(s_kv), device, stream)
     found = fv.resolve(wanted, device, blocks)
     return tuple(found[key] for key, _ in wanted)
 
@@ -267,7 +272,7 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
               fv.offsets_request(qr, h_kv, groups, stream), fv.offsets_request(k, h_kv, 1, stream),
               fv.offsets_request(v, h_kv, 1, stream), fv.offsets_request(out_buf, h_kv, groups, stream)]
     wanted += [fv.offsets_request(lse_buf, h_kv, groups, stream)] if compute_lse else []
-    tensors = _tensors(wanted, (k, v), n, h_kv, s_q, s_kv, skv_b, q.device, stream)
+    tensors = _tensors(wanted, q.device, stream, (k, v, n, h_kv, s_kv) if s_q == 1 else None)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
@@ -318,9 +323,9 @@ def rebind_forward(template: Binding, q, k, v, *, window, bottom_right: bool) ->
         return None
     n = q.shape[0] * h_kv
     stream = fv.stream_of(q.device)
-    wanted = [fv.length_request(n, 1, q.device, stream), fv.length_request(n, s_kv, q.device, stream),
-              fv.offsets_request(k, h_kv, 1, stream), fv.offsets_request(v, h_kv, 1, stream)]
-    _, lengths_kv, off_k, off_v = _tensors(wanted, (k, v), n, h_kv, 1, s_kv, seqlen_bucket(s_kv), q.device, stream)
+    wanted = [fv.length_request(n, s_kv, q.device, stream), fv.offsets_request(k, h_kv, 1, stream),
+              fv.offsets_request(v, h_kv, 1, stream)]
+    lengths_kv, off_k, off_v = _tensors(wanted, q.device, stream, (k, v, n, h_kv, s_kv))
     old = template.extra["tensors"]
     tensors = (old[0], lengths_kv, old[2], off_k, off_v) + old[5:]
     extra = dict(template.extra, tensors=tensors, dead=_dead(1, s_kv, window, bottom_right, q.device),
@@ -407,7 +412,7 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     wanted += [fv.offsets_request(t, h_kv, 1, stream) for t in (k, v)]
     wanted += [fv.offsets_request(t, h_kv, groups, stream) for t in (outr, do, bufs[0])]
     wanted += [fv.offsets_request(t, h_kv, 1, stream) for t in bufs[1:]]
-    tensors = _tensors(wanted, (), n, h_kv, s_q, s_kv, skv_b, q.device, stream)
+    tensors = _tensors(wanted, q.device, stream)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),
