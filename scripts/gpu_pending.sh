@@ -10,12 +10,15 @@
 #   OUT=/tmp/out bash scripts/gpu_pending.sh shapes   # issue #28: new_length, decode calls and a profiled
 #                                                     # generation, hf_generate, hf_dynamic_padding, the
 #                                                     # shapes and folded tests, compute-sanitizer
+#   OUT=/tmp/out bash scripts/gpu_pending.sh lengths  # issue #28, the part of "shapes" that fits one short
+#                                                     # call: the shapes and folded tests, new_length on
+#                                                     # three paths, the new-length breakdown
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
 # Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
 set -u
-stage=${1:?usage: gpu_pending.sh fp8|shapes|tier}
+stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|tier}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 fe=${FRONTEND:-1.32.0}
@@ -49,12 +52,14 @@ case "$stage" in
       --repeats 10 --warmup 3 --json "$OUT/bench-fp8.json"
     run fp8_varlen_probe python3 scripts/fp8_varlen_probe.py --json "$OUT/fp8-varlen-probe.json"
     ;;
-  shapes)
+  shapes|lengths)
     run shapes_tests python3 -m pytest tests/gpu/test_shapes.py tests/gpu/test_folded_gpu.py \
       tests/gpu/test_packed_buckets.py --gpu -q -p no:cacheprovider
     for path in provider native flash; do
       run "new_length_$path" python3 scripts/bench_shapes.py new_length "$path"
     done
+    run new_length_breakdown python3 scripts/new_length_breakdown.py
+    [ "$stage" = lengths ] && { echo "===== stage lengths: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a "$log"; exit $status; }
     run decode_calls python3 scripts/decode_profile.py calls --steps 64
     run decode_generate python3 scripts/decode_profile.py generate provider --batch 8
     run hf_all python3 scripts/bench_shapes.py all --json "$OUT/shapes.json"
@@ -67,7 +72,7 @@ case "$stage" in
       tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
     ;;
   *)
-    echo "gpu_pending: unknown stage $stage (fp8, shapes, tier)" >&2
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, tier)" >&2
     exit 2
     ;;
 esac

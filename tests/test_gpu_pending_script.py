@@ -54,8 +54,10 @@ def test_an_unknown_stage_is_refused(tmp_path):
                                                             "e2e_auto", "e2e_grouped", "bench_fp8_grouped",
                                                             "fp8_varlen_probe"]),
     ("shapes", "-m pytest tests/gpu/test_shapes.py", ["shapes_tests", "new_length_provider", "new_length_native",
-                                                      "new_length_flash", "decode_calls", "decode_generate", "hf_all",
-                                                      "sanitize_folded"]),
+                                                      "new_length_flash", "new_length_breakdown", "decode_calls",
+                                                      "decode_generate", "hf_all", "sanitize_folded"]),
+    ("lengths", "-m pytest tests/gpu/test_shapes.py", ["shapes_tests", "new_length_provider", "new_length_native",
+                                                       "new_length_flash", "new_length_breakdown"]),
     ("tier", "-m pytest tests/gpu/test_known_issues_gpu.py", ["tier"]),
 ])
 def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first, sections):

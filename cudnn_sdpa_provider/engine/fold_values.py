@@ -83,7 +83,7 @@ def _offsets_key(device, stream: int, n: int, h_kv: int, sb: int, sg: int) -> tu
 
 def length_request(n: int, s: int, device, stream: int):
     """(key, values) of the (n, 1, 1, 1) lengths tensor whose every entry is ``s``."""
-    return length_key(n, s, device, stream), (lambda: torch.full((n,), s, dtype=torch.int32))
+    return length_key(n, s, device, stream), (lambda: [s] * n)
 
 
 def offsets_request(t: torch.Tensor, h_kv: int, groups: int, stream: int):
@@ -91,11 +91,17 @@ def offsets_request(t: torch.Tensor, h_kv: int, groups: int, stream: int):
     i = b * H_kv + g starts at b * stride_b + g * stride_g; the last entry, B * stride_b, is the end."""
     sb, sg = fold_strides(t.shape, t.stride(), t.element_size(), h_kv, groups)
     n = t.shape[0] * h_kv
-    return _offsets_key(t.device, stream, n, h_kv, sb, sg), (lambda: _offset_rows(n, h_kv, [sb], [sg])[0])
+    return _offsets_key(t.device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg))
+
+
+def _offsets(n: int, h_kv: int, sb: int, sg: int) -> list:
+    """The offsets of folds 0..n for strides (sb, sg), the formula ``_offset_rows`` applies to many
+    rows at once (plain ints: a handful of tensor ops on a few ints cost tens of us each call)."""
+    return [(i // h_kv) * sb + (i % h_kv) * sg for i in range(n + 1)]
 
 
 def _offset_rows(n: int, h_kv: int, sb, sg) -> torch.Tensor:
-    """(len(sb), n + 1) int32: row j holds the offsets of folds 0..n for strides (sb[j], sg[j])."""
+    """(len(sb), n + 1) int32: row j holds ``_offsets(n, h_kv, sb[j], sg[j])``."""
     i = torch.arange(n + 1, dtype=torch.int64)
     sb, sg = (torch.tensor(x, dtype=torch.int64)[:, None] for x in (sb, sg))
     return ((i // h_kv)[None, :] * sb + (i % h_kv)[None, :] * sg).to(torch.int32)
@@ -169,22 +175,22 @@ def _padded(m: int) -> int:
 
 
 def _upload(values: dict, blocks, device) -> dict:
-    """The values and the blocks' rows as device tensors, views of one buffer written on the host
-    (pinned memory, from torch's caching host allocator, which keeps the block until the copy is
-    done) and copied in stream order: one copy, no kernel."""
-    spans, total = {}, 0
+    """The values (lists of ints) and the blocks' rows as device tensors, views of one buffer written
+    on the host (pinned memory, from torch's caching host allocator, which keeps the block until the
+    copy is done) and copied in stream order: one copy, no kernel."""
+    spans, head = {}, []
     for key, v in values.items():
-        spans[key] = (total, v.numel())
-        total += _padded(v.numel())
-    placed = []
+        spans[key] = (len(head), len(v))
+        head += v
+        head += [0] * (_padded(len(v)) - len(v))
+    placed, total = [], len(head)
     for keys, block in blocks:
         width = _padded(block.shape[1])
         placed.append((keys, block, total, width))
         total += len(keys) * width
     host = torch.empty(total, dtype=torch.int32, pin_memory=device.type == "cuda")
-    for key, v in values.items():
-        start, m = spans[key]
-        host[start:start + m] = v
+    if head:
+        host[:len(head)] = torch.tensor(head, dtype=torch.int32)
     for keys, block, start, width in placed:
         host[start:start + len(keys) * width].view(len(keys), width)[:, :block.shape[1]] = block
     flat = host.to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
