@@ -26,7 +26,7 @@ import torch
 
 from ..core import layout
 
-__all__ = ["SMALL_KEPT", "AHEAD", "stream_of", "fold_strides", "length_key", "length_request", "offsets_request", "resolve",
+__all__ = ["SMALL_KEPT", "AHEAD", "stream_of", "fold_strides", "length_key", "length_request", "offsets_request", "operand", "resolve",
            "ahead", "kept", "clear", "layout_of"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
@@ -89,9 +89,17 @@ def length_request(n: int, s: int, device, stream: int):
 def offsets_request(t: torch.Tensor, h_kv: int, groups: int, stream: int):
     """(key, values) of the (n + 1, 1, 1, 1) ragged offsets of ``t``'s folds, n = B * H_kv: fold
     i = b * H_kv + g starts at b * stride_b + g * stride_g; the last entry, B * stride_b, is the end."""
-    sb, sg = fold_strides(t.shape, t.stride(), t.element_size(), h_kv, groups)
-    n = t.shape[0] * h_kv
-    return _offsets_key(t.device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg))
+    return operand(t, h_kv, groups, stream)[1]
+
+
+def operand(t: torch.Tensor, h_kv: int, groups: int, stream: int):
+    """(end, request): the element one past the last that ``t``'s folds reach from its base (the
+    ragged offsets are int32: callers check it), and ``offsets_request``'s (key, values)."""
+    shape, stride = t.shape, t.stride()
+    sb, sg = fold_strides(shape, stride, t.element_size(), h_kv, groups)
+    n = shape[0] * h_kv
+    end = shape[0] * sb + (shape[1] - 1) * stride[1] + (shape[2] - 1) * stride[2] + (shape[3] - 1) * stride[3] + 1
+    return end, (_offsets_key(t.device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg)))
 
 
 def _offsets(n: int, h_kv: int, sb: int, sg: int) -> list:

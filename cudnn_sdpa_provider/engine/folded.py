@@ -255,8 +255,11 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     lse, lse_buf = _lse_target(b, h_q, s_q, groups, q.device)
     uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ()) + (
         UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O) + ((UID.RAG_LSE,) if compute_lse else ())
-    if max(_end(t, h_kv, groups) for t in (qr, out_buf, lse_buf)) > _INT32_MAX:
-        return None  # int32 ragged offsets: the exact graph
+    stream = fv.stream_of(q.device)
+    (e_q, r_q), (e_k, r_k), (e_v, r_v), (e_o, r_o), (e_l, r_l) = (
+        fv.operand(t, h_kv, g, stream) for t, g in ((qr, groups), (k, 1), (v, 1), (out_buf, groups), (lse_buf, groups)))
+    if max(e_q, e_o, e_l) > _INT32_MAX or plan is not None and max(e_k, e_v) > _INT32_MAX:
+        return None  # int32 ragged offsets: the exact graph (``applies`` checked K and V for a full bind)
     if plan is None:
         key = FwdKey(device=q.device.index, q=_q_desc(qr, n, groups, sq_b), k=_kv_desc(k, n, skv_b),
                      v=_kv_desc(v, n, skv_b), o=_q_desc(out_buf, n, groups, sq_b),
@@ -265,13 +268,8 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
         plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
         if plan is None:
             return None
-    elif max(_end(k, h_kv, 1), _end(v, h_kv, 1)) > _INT32_MAX:  # what ``applies`` checked for the family
-        return None
-    stream = fv.stream_of(q.device)
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream),
-              fv.offsets_request(qr, h_kv, groups, stream), fv.offsets_request(k, h_kv, 1, stream),
-              fv.offsets_request(v, h_kv, 1, stream), fv.offsets_request(out_buf, h_kv, groups, stream)]
-    wanted += [fv.offsets_request(lse_buf, h_kv, groups, stream)] if compute_lse else []
+              r_q, r_k, r_v, r_o] + ([r_l] if compute_lse else [])
     tensors = _tensors(wanted, q.device, stream, (k, v, n, h_kv, s_kv) if s_q == 1 else None)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
@@ -319,12 +317,12 @@ def rebind_forward(template: Binding, q, k, v, *, window, bottom_right: bool) ->
     if made is not None and made[0] != fv.stream_of(q.device):
         return None
     h_kv, s_kv = k.shape[1], k.shape[2]
-    if max(_end(k, h_kv, 1), _end(v, h_kv, 1)) > _INT32_MAX:
+    stream = fv.stream_of(q.device)
+    (e_k, r_k), (e_v, r_v) = fv.operand(k, h_kv, 1, stream), fv.operand(v, h_kv, 1, stream)
+    if max(e_k, e_v) > _INT32_MAX:
         return None
     n = q.shape[0] * h_kv
-    stream = fv.stream_of(q.device)
-    wanted = [fv.length_request(n, s_kv, q.device, stream), fv.offsets_request(k, h_kv, 1, stream),
-              fv.offsets_request(v, h_kv, 1, stream)]
+    wanted = [fv.length_request(n, s_kv, q.device, stream), r_k, r_v]
     lengths_kv, off_k, off_v = _tensors(wanted, q.device, stream, (k, v, n, h_kv, s_kv))
     old = template.extra["tensors"]
     tensors = (old[0], lengths_kv, old[2], off_k, off_v) + old[5:]
@@ -395,8 +393,10 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     kd = lambda t: _kv_desc(t, n, skv_b)  # noqa: E731
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV,
             UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
-    if max([_end(t, h_kv, groups) for t in (qr, outr, do, bufs[0])]
-           + [_end(t, h_kv, 1) for t in (*bufs[1:], k, v)]) > _INT32_MAX:
+    stream = fv.stream_of(q.device)
+    ops = [fv.operand(t, h_kv, g, stream) for t, g in ((qr, groups), (k, 1), (v, 1), (outr, groups), (do, groups),
+                                                        (bufs[0], groups), (bufs[1], 1), (bufs[2], 1))]
+    if max(end for end, _ in ops) > _INT32_MAX:
         return None  # int32 ragged offsets: the exact graph
     if plan is None:
         key = BwdKey(device=q.device.index, q=qd(qr), k=kd(k), v=kd(v), o=qd(outr), do=qd(do), lse=lse,
@@ -406,12 +406,8 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
         plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
         if plan is None:
             return None
-    stream = fv.stream_of(q.device)
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
-    wanted += [fv.offsets_request(t, h_kv, groups, stream) for t in (qr,)]
-    wanted += [fv.offsets_request(t, h_kv, 1, stream) for t in (k, v)]
-    wanted += [fv.offsets_request(t, h_kv, groups, stream) for t in (outr, do, bufs[0])]
-    wanted += [fv.offsets_request(t, h_kv, 1, stream) for t in bufs[1:]]
+    wanted += [request for _, request in ops]
     tensors = _tensors(wanted, q.device, stream)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
