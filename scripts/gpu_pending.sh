@@ -13,12 +13,16 @@
 #   OUT=/tmp/out bash scripts/gpu_pending.sh lengths  # issue #28, the part of "shapes" that fits one short
 #                                                     # call: the shapes and folded tests, new_length on
 #                                                     # three paths, the new-length breakdown
+#   OUT=/tmp/out bash scripts/gpu_pending.sh generate # issue #28, the rest of "shapes" in one call: decode
+#                                                     # calls, hf_generate (four paths, batch 8 and 1),
+#                                                     # hf_dynamic_padding (three paths), each in this
+#                                                     # process's children as bench_shapes.py runs them
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
 # Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
 set -u
-stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|tier}
+stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|tier}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 fe=${FRONTEND:-1.32.0}
@@ -67,12 +71,23 @@ case "$stage" in
     run sanitize_folded bash -c 'OUT="$1" TIMEOUT=400 bash scripts/sanitize_folded.sh; rc=$?
       if [ $rc = 4 ]; then echo "compute-sanitizer not found: not run"; exit 0; fi; exit $rc' _ "$OUT"
     ;;
+  generate)
+    run decode_calls python3 scripts/decode_profile.py calls --steps 64
+    for batch in 8 1; do
+      for path in provider cudnn native flash; do
+        run "hf_generate_${path}_$batch" python3 scripts/bench_shapes.py hf_generate "$path" "$batch"
+      done
+    done
+    for path in provider cudnn native; do
+      run "hf_dynamic_padding_$path" python3 scripts/bench_shapes.py hf_dynamic_padding "$path"
+    done
+    ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \
       tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
     ;;
   *)
-    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, tier)" >&2
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, tier)" >&2
     exit 2
     ;;
 esac

@@ -58,13 +58,16 @@ def test_an_unknown_stage_is_refused(tmp_path):
                                                       "decode_generate", "hf_all", "sanitize_folded"]),
     ("lengths", "-m pytest tests/gpu/test_shapes.py", ["shapes_tests", "new_length_provider", "new_length_native",
                                                        "new_length_flash", "new_length_breakdown"]),
+    ("generate", "scripts/decode_profile.py calls", ["decode_calls"]
+     + [f"hf_generate_{p}_{b}" for b in (8, 1) for p in ("provider", "cudnn", "native", "flash")]
+     + [f"hf_dynamic_padding_{p}" for p in ("provider", "cudnn", "native")]),
     ("tier", "-m pytest tests/gpu/test_known_issues_gpu.py", ["tier"]),
 ])
 def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first, sections):
     done, calls, out = _run(tmp_path, stage)
     assert done.returncode == 0, done.stderr
     assert calls[0].startswith("-c import torch, cudnn"), "the versions first"
-    assert calls[1].startswith(first) and "--gpu" in calls[1]
+    assert calls[1].startswith(first) and ("--gpu" in calls[1]) == first.startswith("-m pytest")
     log = (out / f"{stage}.txt").read_text()
     assert [s for s in re.findall(r"^===== (\w+) \(", log, re.M)] == sections
     assert log.rstrip().endswith(f"stage {stage}: passed")
