@@ -320,6 +320,27 @@ def test_opcheck_fp8_varlen_fwd():
                               test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
 
 
+@pytest.mark.parametrize("cross", [False, True], ids=["cu_kv_default", "cu_kv_given"])
+def test_compiled_fullgraph_forward_and_backward_equal_eager(cross):
+    torch._dynamo.reset()
+    lens_q, lens_kv = ([7, 3, 12], [5, 9, 4]) if cross else ([7, 3, 12], None)
+    q, k, v, go = inputs(lens_q, lens_kv, seed=15)
+    kw = dict(cu_seqlens_q=cu(lens_q), max_seqlen_q=12, max_seqlen_kv=12, is_causal=True)
+    if cross:
+        kw["cu_seqlens_kv"] = cu(lens_kv)
+    recipe = fp8.Recipe()
+    compiled = torch.compile(lambda q, k, v: fp8.attention(q, k, v, recipe=recipe, **kw), backend="eager",
+                             fullgraph=True)
+    results = []
+    for fn in (compiled, lambda q, k, v: fp8.attention(q, k, v, recipe=fp8.Recipe(), **kw)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(go)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
+
+
 # -------------------------------------------------------------------------------- arguments
 
 LENS_OK = [7, 3, 12]

@@ -193,17 +193,20 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_kv, max_q, max_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype,
                 fallback, delayed, grad):
+        cu_kv = cu_q if cu_kv is None else cu_kv  # None: the same sequences (autograd.Function under
+        # torch.compile takes no tensor twice)
         f = fp8_ops.quantize_inputs(q, k, v, E4M3, recipe if delayed else 0, margin if delayed else 1.0)
         out8, lse, _ = _forward_kernel(f.q8)(f.q8, f.k8, f.v8, f.descale_q, f.descale_k, f.descale_v, f.scale_o, cu_q,
                                              cu_kv, max_q, max_kv, scale, scale_s, is_causal, grad, fallback)
         ctx.save_for_backward(f.q8, f.k8, f.v8, out8, lse, f.descale_q, f.descale_k, f.descale_v, f.descale_o, cu_q,
-                              cu_kv, f.poison)
+                              None if cu_kv is cu_q else cu_kv, f.poison)
         ctx.options = (max_q, max_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, q.dtype, delayed)
         return fp8_ops.dequantize(out8, f.out_factor, q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q8, k8, v8, out8, lse, descale_q, descale_k, descale_v, descale_o, cu_q, cu_kv, poison = ctx.saved_tensors
+        cu_kv = cu_q if cu_kv is None else cu_kv
         max_q, max_kv, recipe, scale, is_causal, scale_s, margin, grad_dtype, fallback, dtype, delayed = ctx.options
         do8, descale_do, _ = fp8_ops.quantize(grad_out, grad_dtype, recipe if delayed else 0, 3,
                                               margin if delayed else 1.0)
@@ -222,5 +225,5 @@ class _Attention(torch.autograd.Function):
 def attention(q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, recipe, scale: float, is_causal: bool, fallback: bool):
     """Checked arguments (``csp.fp8.attention``) in, the output (T_q, H_q, D_v) in q's dtype out."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # the LSE only for a backward
-    return _Attention.apply(q, k, v, cu_q, cu_kv, max_q, max_kv, recipe.id, scale, is_causal, recipe.scale_s,
+    return _Attention.apply(q, k, v, cu_q, None if cu_kv is cu_q else cu_kv, max_q, max_kv, recipe.id, scale, is_causal, recipe.scale_s,
                             recipe.margin, recipe.grad_dtype, fallback, recipe.scaling == "delayed", grad)
