@@ -370,18 +370,90 @@ class _Attention(torch.autograd.Function):
         return fp8_ops.dequantize_grads(dq, dk, dv, used, poison, descale_do, dtype) + (None,) * 10
 
 
-def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens_kv=None, recipe=None):
+def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None,
+              cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, recipe=None):
     """Attention of bf16/fp16/fp32 q (B, H_q, S_q, D), k, v (B, H_k, S_kv, D) computed in FP8, output
     in q's dtype; differentiable (dq, dk, dv in q's dtype). ``recipe``: a ``Recipe`` (default: one
     shared by every call that passes none). An inf or NaN in q, k or v (or in the gradient of the
-    output) makes the whole output (and every gradient) NaN: such a tensor has no per-tensor scale."""
-    _operands(q, k, v, fp8=False)
+    output) makes the whole output (and every gradient) NaN: such a tensor has no per-tensor scale.
+
+    Packed (varlen) inputs, as ``csp.attention`` takes them: q (T_q, H_q, D), k, v (T_kv, H_k, D)
+    with ``cu_seqlens_q`` ((B+1,) int32 prefix sums from 0 to T_q; ``cu_seqlens_kv`` defaults to it)
+    and ``max_seqlen_q`` / ``max_seqlen_kv`` (host ints, the longest sequences); output (T_q, H_q,
+    D_v). The forward runs on cuDNN's packed FP8 graph, the backward on its dense one over the
+    padded form (docs/fp8.md, "Packed (varlen) inputs")."""
     arguments.flag("is_causal", is_causal)
-    if recipe is None:
-        recipe = _DEFAULT
-    elif not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a csp.fp8.Recipe or None, got {type(recipe).__name__}")
+    recipe = _recipe(recipe)
+    if cu_seqlens_q is not None:
+        return _packed(q, k, v, is_causal, scale, seq_lens_q, seq_lens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                       max_seqlen_kv, recipe)
+    if cu_seqlens_kv is not None or max_seqlen_q is not None or max_seqlen_kv is not None:
+        raise ValueError("cu_seqlens_kv / max_seqlen_q / max_seqlen_kv are for packed (T, H, D) inputs; pass "
+                         "cu_seqlens_q too (or seq_lens_q / seq_lens_kv for padded (B, H, S, D) batches)")
+    _operands(q, k, v, fp8=False)
     seq_lens_q, seq_lens_kv = _lengths(q, k, seq_lens_q, seq_lens_kv)
     return _Attention.apply(q, k, v, seq_lens_q, seq_lens_kv, recipe.id, arguments.scale(scale, q.shape[3]),
                             is_causal, recipe.scale_s, recipe.margin, recipe.grad_dtype, _fallback(),
                             recipe.scaling == "delayed")
+
+
+def _recipe(recipe) -> Recipe:
+    if recipe is None:
+        return _DEFAULT
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a csp.fp8.Recipe or None, got {type(recipe).__name__}")
+    return recipe
+
+
+def _packed_operands(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        arguments.require_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (T, H, D) with cu_seqlens_q (packed inputs), got shape "
+                             f"{tuple(t.shape)}; dense (B, H, S, D) inputs take seq_lens_q / seq_lens_kv")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share a device")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one of bfloat16, float16, float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+    h_q, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
+    if h_k == 0 or h_v == 0 or h_q % h_k or h_q % h_v or h_k != h_v:
+        raise ValueError(f"H_q={h_q} must be a multiple of H_k={h_k} = H_v={h_v} (GQA/MQA)")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims differ: {q.shape[2]} vs {k.shape[2]}")
+
+
+def _check_packed_values(name: str, given, tokens: int, max_name: str, max_len: int, tensor: str) -> None:
+    """Prefix sums from 0, non-decreasing, no sequence longer than ``max_len``, ending at exactly
+    ``tokens``: a per-tensor scale is taken over the whole tensor, so rows past the last sequence
+    would change every sequence's quantisation (CPU tensors: free to read)."""
+    arguments.check_cu_seqlens(name, given, tokens, max_name, max_len)
+    last = int(given[-1])
+    if last != tokens:
+        raise ValueError(f"{name}[-1] = {last} must equal the {tokens} packed tokens of {tensor} (FP8 scales "
+                         f"are per tensor: every row must belong to a sequence)")
+
+
+def _packed(q, k, v, is_causal, scale, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max_q, max_kv, recipe):
+    """Packed (T, H, D) inputs: checks, then ``ops.fp8_varlen``."""
+    if seq_lens_q is not None or seq_lens_kv is not None:
+        raise ValueError("seq_lens_q / seq_lens_kv are for padded (B, H, S, D) inputs; packed inputs take their "
+                         "lengths from cu_seqlens_q / cu_seqlens_kv")
+    _packed_operands(q, k, v)
+    given = (cu_q, cu_q if cu_kv is None else cu_kv)  # checked as given (int64 values unclamped)
+    cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_q, q.device)
+    cu_kv = cu_q if cu_kv is None else arguments.cu_seqlens("cu_seqlens_kv", cu_kv, q.device)
+    if cu_kv.shape != cu_q.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must have the same shape (one entry per sequence, plus "
+                         f"one), got {tuple(cu_q.shape)} and {tuple(cu_kv.shape)}")
+    max_q = arguments.max_seqlen("max_seqlen_q", max_q, q.shape[0], "q")
+    max_kv = arguments.max_seqlen("max_seqlen_kv", max_kv, k.shape[0], "k")
+    if q.device.type == "cpu" and arguments.readable(cu_q):
+        _check_packed_values("cu_seqlens_q", given[0], q.shape[0], "max_seqlen_q", max_q, "q")
+        kv_name = "cu_seqlens_kv" if given[1] is not given[0] else "cu_seqlens_q (as cu_seqlens_kv)"
+        _check_packed_values(kv_name, given[1], k.shape[0], "max_seqlen_kv", max_kv, "k")
+    from .ops import fp8_varlen
+
+    return fp8_varlen.attention(q, k, v, cu_q, cu_kv, max_q, max_kv, recipe, arguments.scale(scale, q.shape[2]),
+                                is_causal, _fallback())

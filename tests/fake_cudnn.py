@@ -6,7 +6,9 @@ order given by the uids), computes attention with ``reference`` in fp64, and wri
 through the declared strides. So the engine's descriptors, repair plans, output layouts, buffer
 order and ragged offsets are checked against what they claim, on a machine without a GPU. It knows
 nothing of cuDNN's kernels: what only the GPU shows (alignment faults, plan bugs) stays for the GPU
-tier. ``FakeGraph.calls`` records what each execute received.
+tier. ``FakeGraph.calls`` records what each execute received. FP8 graphs (``Fp8Key``: the dense
+forward and backward, and the packed forward with ragged offsets) compute with ``fp8_reference``,
+the FP8 reference the CPU kernels run, sequence by sequence for a packed one.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import dataclasses
 import torch
 
 from cudnn_sdpa_provider.engine import folded, graphs, machine
-from cudnn_sdpa_provider.ops import reference
+from cudnn_sdpa_provider.ops import fp8_reference, reference
 from cudnn_sdpa_provider.core import support
-from cudnn_sdpa_provider.engine.graphs import UID, BwdKey
+from cudnn_sdpa_provider.engine.graphs import UID, BwdKey, Fp8Key
 
 HOPPER = support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, frontend_version="1.32.0",
                               device_name="fake H200")
@@ -58,10 +60,74 @@ class FakeGraph:
         b = dict(zip(tensor_uids, buffers)) if tensor_uids is not None else dict(buffers)
         b = {UID(int(u)): t for u, t in b.items()}
         self.calls.append(b)
-        if isinstance(self.key, BwdKey):
+        if isinstance(self.key, Fp8Key):
+            self._fp8(b)
+        elif isinstance(self.key, BwdKey):
             self._backward(b)
         else:
             self._forward(b)
+
+    # ---------------------------------------------------------------------------------- FP8
+    def _fp8(self, b):
+        k = self.key
+        scale_s = float(b[UID.SCALE_S].reshape(-1)[0])
+        lens = (b[UID.SEQ_Q].view(-1), b[UID.SEQ_KV].view(-1)) if (k.padded or k.ragged) else (None, None)
+        if k.backward:
+            return self._fp8_backward(b, lens, scale_s)
+        factors = [b[u] for u in (UID.DESCALE_Q, UID.DESCALE_K, UID.DESCALE_V)] + [b[UID.SCALE_O]]
+        if k.ragged:
+            return self._fp8_forward_ragged(b, lens, scale_s, factors)
+        q, kk, v = (self._dense(b[u], d) for u, d in ((UID.Q, k.q), (UID.K, k.k), (UID.V, k.v)))
+        out, lse, amax = fp8_reference.forward(q, kk, v, *factors, *lens, k.scale, scale_s, k.causal,
+                                               k.lse is not None)
+        self._dense(b[UID.O], k.o).copy_(out)
+        if k.lse is not None:
+            self._dense(b[UID.LSE], k.lse).copy_(lse)
+        b[UID.AMAX_S].fill_(amax[0])
+        b[UID.AMAX_O].fill_(amax[1])
+
+    def _fp8_forward_ragged(self, b, lens, scale_s, factors):
+        """Each sequence read and written at its ragged offset for its own length, nothing else."""
+        k, (lq, lk) = self.key, lens
+        qs = self._ragged(b[UID.Q], k.q, b[UID.RAG_Q], lq)
+        ks = self._ragged(b[UID.K], k.k, b[UID.RAG_K], lk)
+        vs = self._ragged(b[UID.V], k.v, b[UID.RAG_V], lk)
+        os_ = self._ragged(b[UID.O], k.o, b[UID.RAG_O], lq)
+        lses = self._ragged(b[UID.LSE], k.lse, b[UID.RAG_LSE], lq) if k.lse is not None else [None] * len(qs)
+        amax = torch.zeros(2)
+        for q, kk, v, o, lse in zip(qs, ks, vs, os_, lses):
+            if q is None or kk is None:
+                continue
+            out, l, a = fp8_reference.forward(q[None], kk[None], v[None], *factors, None, None, k.scale, scale_s,
+                                              k.causal, lse is not None)
+            o.copy_(out[0])
+            if lse is not None:
+                lse.copy_(l[0])
+            amax = torch.maximum(amax, a)
+        b[UID.AMAX_S].fill_(amax[0])
+        b[UID.AMAX_O].fill_(amax[1])
+
+    def _fp8_backward(self, b, lens, scale_s):
+        k = self.key
+        q, kk, v, o, do = (self._dense(b[u], d) for u, d in ((UID.Q, k.q), (UID.K, k.k), (UID.V, k.v),
+                                                              (UID.O, k.o), (UID.DO, k.do)))
+        descales = [b[u] for u in (UID.DESCALE_Q, UID.DESCALE_K, UID.DESCALE_V, UID.DESCALE_O, UID.DESCALE_DO)]
+        # the LSE the graph reads must be the forward's on the same operands, row by row (cuDNN's
+        # backward uses it; the reference recomputes it): a misplaced row would go unnoticed otherwise
+        _, want, _ = fp8_reference.forward(q, kk, v, *descales[:3], torch.ones(1), *lens, k.scale, scale_s, k.causal,
+                                           True)
+        got = self._dense(b[UID.LSE], k.lse)
+        live = torch.isfinite(want)
+        if lens[0] is not None:
+            live &= torch.arange(q.shape[2]).view(1, 1, -1, 1) < lens[0].view(-1, 1, 1, 1)
+        assert torch.allclose(got[live], want[live], rtol=1e-5, atol=1e-5), "the LSE the backward reads is not its forward's"
+        scales = torch.cat([b[u].reshape(1) for u in (UID.SCALE_DQ, UID.SCALE_DK, UID.SCALE_DV, UID.SCALE_DP)])
+        dq, dk, dv, amax = fp8_reference.backward(do, q, kk, v, o, descales, scales, *lens, k.scale, scale_s,
+                                                  k.causal, (torch.float8_e4m3fn,) * 3)
+        for uid, d, g in ((UID.DQ, k.dq, dq), (UID.DK, k.dk, dk), (UID.DV, k.dv, dv)):
+            self._dense(b[uid], d).copy_(g)
+        for uid, a in zip((UID.AMAX_DQ, UID.AMAX_DK, UID.AMAX_DV, UID.AMAX_DP), amax):
+            b[uid].fill_(a)
 
     def _options(self, b):
         k = self.key

@@ -120,7 +120,9 @@ class BwdKey:
 @dataclass(frozen=True)
 class Fp8Key:
     """An FP8 graph (``sdpa_fp8`` / ``sdpa_fp8_backward``, per-tensor scales). Forward: q, k, v, o
-    (+ lse); backward (``backward=True``): also do and dq, dk, dv. Scales are runtime tensors."""
+    (+ lse); backward (``backward=True``): also do and dq, dk, dv. Scales are runtime tensors.
+    ``ragged``: a packed forward (``engine.fp8_packed``): q, k, v, o (and lse) declared as nominal
+    (B, H, S_max, D) with token-major strides and ragged offsets, the lengths as a padding mask."""
     device: int
     backward: bool
     q: Desc
@@ -135,6 +137,7 @@ class Fp8Key:
     dq: Desc | None = None
     dk: Desc | None = None
     dv: Desc | None = None
+    ragged: bool = False
 
 
 def describe(key) -> str:
@@ -142,7 +145,7 @@ def describe(key) -> str:
     shape = lambda d: "x".join(str(n) for n in d.dims)  # noqa: E731
     dtype = str(key.q.dtype).replace("torch.", "")
     if isinstance(key, Fp8Key):
-        flags = " ".join(f for f, on in (("causal", key.causal), ("padded", key.padded)) if on)
+        flags = " ".join(f for f, on in (("causal", key.causal), ("padded", key.padded), ("varlen", key.ragged)) if on)
         return (f"fp8 {'bwd' if key.backward else 'fwd'} {dtype} q={shape(key.q)} k={shape(key.k)} v={shape(key.v)} "
                 f"{flags}").strip()
     kind = "bwd" if isinstance(key, BwdKey) else "fwd"

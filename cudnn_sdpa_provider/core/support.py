@@ -296,7 +296,7 @@ def _recompute(p: Problem, c: Capabilities) -> str | None:
 
 
 def _ragged(p: Problem, c: Capabilities) -> str | None:
-    if p.kind == "varlen" and p.ragged_extent > INT32_MAX:
+    if p.kind in ("varlen", "fp8") and p.ragged_extent > INT32_MAX:  # fp8: packed (csp.fp8, cu_seqlens)
         return f"packed extent {p.ragged_extent} elements exceeds int32 ragged offsets"
     return None
 

@@ -391,7 +391,7 @@ def _amax_outputs(tensors, uids):
 
 def _fp8_mask(g, key: Fp8Key) -> dict:
     kw = {"attn_scale": float(key.scale), "use_causal_mask": bool(key.causal)}
-    if key.padded:
+    if key.padded or key.ragged:
         batch = key.q.dims[0]
         kw.update(use_padding_mask=True, seq_len_q=_index_tensor(g, UID.SEQ_Q, batch),
                   seq_len_kv=_index_tensor(g, UID.SEQ_KV, batch))
@@ -404,11 +404,19 @@ def _build_fp8(key: Fp8Key, handle):
     q, k, v = _tensor(g, UID.Q, key.q), _tensor(g, UID.K, key.k), _tensor(g, UID.V, key.v)
     if not key.backward:
         factors = _scalars(g, UID.DESCALE_Q, UID.DESCALE_K, UID.DESCALE_V, UID.DESCALE_S, UID.SCALE_S, UID.SCALE_O)
+        batch = key.q.dims[0]
+        if key.ragged:  # packed (T, H, D): each sequence at its ragged offset (engine/fp8_packed.py)
+            for t, uid in ((q, UID.RAG_Q), (k, UID.RAG_K), (v, UID.RAG_V)):
+                _ragged(g, t, uid, batch)
         o, stats, amax_s, amax_o = g.sdpa_fp8(q, k, v, *factors, generate_stats=key.lse is not None,
                                               **_fp8_mask(g, key))
         _output(o, UID.O, key.o)
+        if key.ragged:
+            _ragged(g, o, UID.RAG_O, batch)
         if key.lse is not None:
             _output(stats, UID.LSE, key.lse)
+            if key.ragged:
+                _ragged(g, stats, UID.RAG_LSE, batch)
         _amax_outputs((amax_s, amax_o), (UID.AMAX_S, UID.AMAX_O))
         return g
     o, do, lse = _tensor(g, UID.O, key.o), _tensor(g, UID.DO, key.do), _tensor(g, UID.LSE, key.lse)

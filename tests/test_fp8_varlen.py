@@ -1,0 +1,402 @@
+"""CPU tier: FP8 attention on packed (varlen) inputs, ``csp.fp8.attention(q, k, v, cu_seqlens_q=...)``.
+
+Two ways it runs here. On CPU tensors the kernels run the FP8 reference on the padded form (reason
+``no_cuda``), as on any machine cuDNN cannot serve. With the stand-in cuDNN (tests/fake_cudnn.py,
+which reads and writes exactly what each graph key declares, ragged offsets included, and computes
+with the FP8 reference sequence by sequence), the same calls take the served route: the packed
+forward graph (``engine.fp8_packed``) and the dense FP8 backward graph on the padded form
+(``ops.fp8_varlen``), so the graph keys, buckets, offsets, the placement of tokens, O, dO and the LSE
+in the padded form and back, and the counters are checked without a GPU. Answers are checked
+against float64 attention computed sequence by sequence, at the dense FP8 tests' bounds
+(tests/test_fp8.py: ATTN_FWD_TOL, ATTN_GRAD_TOL, relative to each tensor's largest magnitude).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_sdpa_provider as csp
+from cudnn_sdpa_provider.core import counters, support
+from cudnn_sdpa_provider.core.errors import NotSupportedError
+from cudnn_sdpa_provider.engine import fp8_packed, graphs
+from cudnn_sdpa_provider.ops import fp8_ops, fp8_varlen, route
+from tests import fake_cudnn
+from tests.test_fp8 import ATTN_FWD_TOL, ATTN_GRAD_TOL
+from tests.util import rel_error
+
+fp8 = csp.fp8
+E4M3 = torch.float8_e4m3fn
+NAN_BYTE = 0x7F
+
+
+def cu(lens) -> torch.Tensor:
+    return torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def inputs(lens_q, lens_kv=None, h_q=4, h_k=2, d=32, dtype=torch.float32, seed=0):
+    lens_kv = lens_q if lens_kv is None else lens_kv
+    g = torch.Generator().manual_seed(seed)
+    t_q, t_kv = sum(lens_q), sum(lens_kv)
+    q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((t_q, h_q, d), (t_kv, h_k, d), (t_kv, h_k, d)))
+    go = torch.randn(t_q, h_q, d, generator=g).to(dtype)
+    return q, k, v, go
+
+
+def reference64(q, k, v, go, lens_q, lens_kv, causal):
+    """float64 attention sequence by sequence (top-left causal; a query without keys gives 0), with grads."""
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    outs, sq, skv = [], 0, 0
+    group = q.shape[1] // k.shape[1]
+    for n_q, n_kv in zip(lens_q, lens_kv):
+        qs = qd[sq:sq + n_q].transpose(0, 1)[None]
+        ks, vs = (t[skv:skv + n_kv].transpose(0, 1)[None].repeat_interleave(group, 1) for t in (kd, vd))
+        if n_kv == 0 or n_q == 0:
+            outs.append(qs.new_zeros(n_q, q.shape[1], v.shape[2]) + 0 * qs.sum())
+        else:
+            mask = torch.ones(n_q, n_kv, dtype=torch.bool).tril() if causal else None
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1))
+        sq, skv = sq + n_q, skv + n_kv
+    out = torch.cat(outs)
+    out.backward(go.double())
+    return out.detach(), qd.grad, kd.grad, vd.grad
+
+
+def run(q, k, v, go, lens_q, lens_kv=None, *, causal=False, recipe=None, **kw):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    lens_kv = lens_q if lens_kv is None else lens_kv
+    extra = {} if lens_kv is lens_q else {"cu_seqlens_kv": cu(lens_kv)}
+    out = fp8.attention(q, k, v, cu_seqlens_q=cu(lens_q), max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv),
+                        is_causal=causal, recipe=recipe or fp8.Recipe(), **extra, **kw)
+    out.backward(go)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def assert_matches(got, q, k, v, go, lens_q, lens_kv, causal):
+    want = reference64(q, k, v, go, lens_q, lens_kv, causal)
+    out = got[0]
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.dtype == q.dtype
+    err, worst = rel_error(out, want[0])
+    assert 1e-3 < err <= ATTN_FWD_TOL, f"out: {err:.4f} at {worst}"
+    for name, g, ref, like in zip(("dq", "dk", "dv"), got[1:], want[1:], (q, k, v)):
+        assert g is not None and g.shape == like.shape and g.dtype == like.dtype, name
+        err, worst = rel_error(g, ref)
+        assert err <= ATTN_GRAD_TOL, f"{name}: {err:.4f} at {worst}"
+
+
+def delta(before) -> dict:
+    d = (counters.stats() - before).to_dict()
+    return {p: e for p, e in d.items() if e["served"] or e["fallback"]}
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """CPU tensors decided as on a Hopper GPU with cuDNN 9.19 (the no_cuda rule left out), the
+    kernels' CUDA halves called on them, the graphs run by the stand-in cuDNN."""
+    fake_cudnn.FakeGraph.builds = 0
+    built = fake_cudnn.install(monkeypatch)
+    monkeypatch.setattr(support, "RULES", tuple(r for r in support.RULES if r.slug != "no_cuda"))
+    monkeypatch.setitem(fp8_varlen._KERNELS, "cpu", fp8_varlen._fp8_varlen_fwd_cuda)
+    monkeypatch.setitem(fp8_ops._KERNELS["bwd"], "cpu", fp8_ops._fp8_bwd_cuda)
+    route.clear()
+    yield built
+    route.clear()
+    graphs.clear_cache()
+
+
+LENS = {
+    "self": ([7, 3, 12, 1], None),
+    "cross": ([5, 9, 2], [11, 4, 8]),
+    "keyless": ([4, 6, 3], [5, 0, 7]),  # the second sequence's queries see no key: 0, no gradient
+}
+
+
+# ----------------------------------------------------------------------------------- answers
+
+
+@pytest.mark.parametrize("case", list(LENS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_route_matches_fp64_per_sequence(case, causal, heads, dtype):
+    lens_q, lens_kv = LENS[case]
+    q, k, v, go = inputs(lens_q, lens_kv, *heads, dtype=dtype, seed=1)
+    before = counters.stats()
+    got = run(q, k, v, go, lens_q, lens_kv, causal=causal)
+    assert delta(before) == {"fp8_fwd": {"served": 0, "fallback": {"no_cuda": 1}},
+                             "fp8_bwd": {"served": 0, "fallback": {"no_cuda": 1}}}
+    assert_matches(got, q, k, v, go, lens_q, lens_kv or lens_q, causal)
+
+
+@pytest.mark.parametrize("case", list(LENS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_served_route_matches_fp64_per_sequence(served, case, causal, heads):
+    lens_q, lens_kv = LENS[case]
+    q, k, v, go = inputs(lens_q, lens_kv, *heads, d=128, dtype=torch.bfloat16, seed=2)
+    before = counters.stats()
+    got = run(q, k, v, go, lens_q, lens_kv, causal=causal)
+    assert delta(before) == {"fp8_fwd": {"served": 1, "fallback": {}}, "fp8_bwd": {"served": 1, "fallback": {}}}
+    assert_matches(got, q, k, v, go, lens_q, lens_kv or lens_q, causal)
+    fwd, bwd = (g.key for g in served)
+    assert not fwd.backward and fwd.ragged and not fwd.padded, "the forward is the packed graph"
+    assert bwd.backward and bwd.padded and not bwd.ragged, "the backward is the dense graph on the padded form"
+    nb, sq, skv = fp8_packed.buckets(len(lens_q), max(lens_q), max(lens_kv or lens_q))
+    assert (fwd.q.dims, fwd.k.dims[2]) == ((nb, 4, sq, 128), skv), "B and S_max bucketed"
+    assert (bwd.q.dims, bwd.k.dims) == (fwd.q.dims, fwd.k.dims), "the backward at the forward's buckets"
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_both_recipes_over_several_steps(served, scaling):
+    recipe = fp8.Recipe(scaling=scaling)
+    for step, lens in enumerate(([7, 3, 12, 1], [16, 2], [9, 9, 9])):
+        q, k, v, go = inputs(lens, d=128, seed=10 + step)
+        assert_matches(run(q, k, v, go, lens, causal=True, recipe=recipe), q, k, v, go, lens, lens, True)
+    assert recipe.warm("cpu") == (scaling == "delayed")
+
+
+def test_inference_forward_asks_no_lse(served):
+    q, k, v, _ = inputs([7, 3, 12], d=128, seed=3)
+    with torch.no_grad():
+        out = fp8.attention(q, k, v, cu_seqlens_q=cu([7, 3, 12]), max_seqlen_q=12, max_seqlen_kv=12)
+    assert served[0].key.lse is None
+    assert rel_error(out, reference64(q, k, v, torch.zeros_like(q), [7, 3, 12], [7, 3, 12], False)[0])[0] \
+        <= ATTN_FWD_TOL
+
+
+# ------------------------------------------------------------------------------ graph reuse
+
+
+def test_new_batches_inside_a_bucket_build_no_graph(served):
+    """B rounded up to a power of 2, S_max too: 3 or 4 sequences of up to 16 tokens share one
+    forward and one backward graph; the token count is never part of a key."""
+    for lens in ([7, 3, 12], [16, 1, 5, 9], [9, 10, 11, 12]):
+        q, k, v, go = inputs(lens, d=128, seed=sum(lens))
+        assert_matches(run(q, k, v, go, lens, causal=True), q, k, v, go, lens, lens, True)
+    assert fake_cudnn.FakeGraph.builds == 2, [g.key for g in served]
+    for lens, builds in (([2, 15], 4), ([20, 3], 6), ([1, 16], 6)):  # B 2, S 16; then S 32: new buckets
+        q, k, v, go = inputs(lens, d=128, seed=sum(lens))
+        run(q, k, v, go, lens, causal=True)
+        assert fake_cudnn.FakeGraph.builds == builds, lens
+    assert {g.key.q.dims[:3] for g in served} == {(4, 4, 16), (2, 4, 16), (2, 4, 32)}
+
+
+# --------------------------------------------------------------------------- fallbacks, strict
+
+
+def test_a_head_dim_the_sm90_backward_lacks_serves_the_forward_and_falls_back_backward(served):
+    lens = [7, 3, 12]
+    q, k, v, go = inputs(lens, d=64, seed=5)
+    before = counters.stats()
+    got = run(q, k, v, go, lens, causal=True)
+    assert delta(before) == {"fp8_fwd": {"served": 1, "fallback": {}},
+                             "fp8_bwd": {"served": 0, "fallback": {"head_dim": 1}}}
+    assert_matches(got, q, k, v, go, lens, lens, True)
+    assert "head_dim=1" in csp.report()
+
+
+def test_strict_mode_refuses_the_backward_the_sm90_engine_lacks(served):
+    lens = [7, 3, 12]
+    q, k, v, go = inputs(lens, d=64, seed=6)
+    q.requires_grad_()
+    with csp.enable(strict=True):
+        out = fp8.attention(q, k, v, cu_seqlens_q=cu(lens), max_seqlen_q=12, max_seqlen_kv=12)
+        with pytest.raises(csp.FallbackError) as info:
+            out.backward(go)
+    assert info.value.path == "fp8_bwd" and info.value.reasons == ["head_dim"]
+
+
+def test_before_hopper_both_passes_fall_back_with_compute_capability(served, monkeypatch):
+    monkeypatch.setattr(fp8_ops.route.machine, "capabilities",
+                        lambda device_index=None: fake_cudnn.with_caps(compute_capability=(8, 0)))
+    lens = [7, 3, 12]
+    q, k, v, go = inputs(lens, d=128, seed=7)
+    before = counters.stats()
+    got = run(q, k, v, go, lens)
+    assert delta(before) == {"fp8_fwd": {"served": 0, "fallback": {"compute_capability": 1}},
+                             "fp8_bwd": {"served": 0, "fallback": {"compute_capability": 1}}}
+    assert_matches(got, q, k, v, go, lens, lens, False)
+    assert not served
+
+
+def test_a_graph_cudnn_refuses_falls_back_with_graph_not_supported(served, monkeypatch):
+    real = graphs._build
+
+    def build(key, handle):
+        if getattr(key, "ragged", False) and isinstance(key, graphs.Fp8Key):
+            raise NotSupportedError("graph_not_supported", "fake: no engine for this graph")
+        return real(key, handle)
+
+    monkeypatch.setattr(graphs, "_build", build)
+    lens = [7, 3, 12]
+    q, k, v, go = inputs(lens, d=128, seed=8)
+    before = counters.stats()
+    got = run(q, k, v, go, lens, causal=True)
+    assert delta(before) == {"fp8_fwd": {"served": 0, "fallback": {"graph_not_supported": 1}},
+                             "fp8_bwd": {"served": 1, "fallback": {}}}
+    assert_matches(got, q, k, v, go, lens, lens, True)
+
+
+def test_strict_mode_refuses_on_cpu_and_counts_the_refusal():
+    lens = [7, 3]
+    q, k, v, _ = inputs(lens, seed=9)
+    before = counters.stats()
+    with csp.enable(strict=True):
+        with pytest.raises(csp.FallbackError) as info:
+            fp8.attention(q, k, v, cu_seqlens_q=cu(lens), max_seqlen_q=7, max_seqlen_kv=7)
+    assert info.value.path == "fp8_fwd" and info.value.reasons == ["no_cuda"]
+    assert (counters.stats() - before).refused_dict() == {"fp8_fwd": {"no_cuda": 1}}
+
+
+@pytest.mark.parametrize("route_", ["reference", "served"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_a_non_finite_input_makes_the_output_and_every_gradient_nan(request, route_, which):
+    if route_ == "served":
+        request.getfixturevalue("served")
+    lens = [7, 3, 12]
+    t = dict(zip("qkv", inputs(lens, d=128, seed=11)[:3]))
+    t[which][9, 1, 5] = float("inf")
+    q, k, v = (t[n].requires_grad_() for n in "qkv")
+    out = fp8.attention(q, k, v, cu_seqlens_q=cu(lens), max_seqlen_q=12, max_seqlen_kv=12, recipe=fp8.Recipe())
+    assert torch.isnan(out).all()
+    out.backward(torch.ones_like(out))
+    assert all(torch.isnan(g).all() for g in (q.grad, k.grad, v.grad))
+
+
+# ---------------------------------------------------------------------------------- engine
+
+
+def test_engine_writes_nothing_past_the_last_sequence(served):
+    """The packed graph's offsets and lengths cover the sequences only: rows past cu_seqlens_q[-1]
+    of a caller's buffers keep their NaN canaries (the GPU tier checks the same on cuDNN)."""
+    lens, tail = [7, 3, 12], 5
+    g = torch.Generator().manual_seed(12)
+    q8, k8, v8 = (fp8.quantize(torch.randn(sum(lens) + tail, 4, 128, generator=g))[0] for _ in range(3))
+    one = torch.ones(1)
+    out = torch.full((q8.shape[0], 4, 128), NAN_BYTE, dtype=torch.uint8).view(E4M3)
+    lse = torch.full((q8.shape[0], 4), float("nan"))
+    got, got_lse, amax = fp8_packed.forward(q8, k8, v8, one, one, one, one, cu(lens), cu(lens), 12, 12,
+                                            scale=128 ** -0.5, scale_s=256.0, causal=True, compute_lse=True,
+                                            out=out, lse=lse)
+    assert got is out and got_lse is lse
+    assert (out[sum(lens):].view(torch.uint8) == NAN_BYTE).all() and torch.isnan(lse[sum(lens):]).all()
+    assert torch.isfinite(out[:sum(lens)].float()).all() and torch.isfinite(lse[:sum(lens)]).all()
+    assert torch.isfinite(amax).all()
+
+
+def test_engine_out_of_range_cu_seqlens_read_nothing_and_give_nan(served):
+    """Unchecked cu_seqlens (the GPU reads none on the host) reach cuDNN as zero lengths."""
+    q8 = fp8.quantize(torch.randn(10, 4, 128))[0]
+    one = torch.ones(1)
+    bad = torch.tensor([0, 6, 4, 10], dtype=torch.int32)  # decreasing
+    out, lse, amax = fp8_packed.forward(q8, q8, q8, one, one, one, one, bad, bad, 6, 6, scale=0.1, scale_s=256.0,
+                                        causal=False, compute_lse=True)
+    assert torch.isnan(out.float()).all() and torch.isnan(lse).all() and torch.isnan(amax).all()
+    call = served[0].calls[-1]
+    assert not call[graphs.UID.SEQ_Q].any() and not call[graphs.UID.SEQ_KV].any()
+
+
+def test_the_padded_form_round_trips_every_token():
+    lens = [7, 0, 3, 12]
+    place = fp8_varlen.Placement(cu(lens), cu(lens), 12, 12, 22, 22)
+    x = torch.randn(22, 3, 8)
+    padded = place.pad(x, "q")
+    assert padded.shape == (4, 3, 16, 8)
+    assert torch.equal(padded[3, :, :12], x[10:22].transpose(0, 1)) and not padded[3, :, 12:].any()
+    assert not padded[1].any()
+    assert torch.equal(place.unpad(padded, "q"), x)
+    x8 = fp8.quantize(x)[0]
+    assert torch.equal(place.unpad(place.pad(x8, "q"), "q").view(torch.uint8), x8.view(torch.uint8))
+
+
+def test_opcheck_fp8_varlen_fwd():
+    lens = [7, 3, 12]
+    q8, k8, v8 = (fp8.quantize(torch.randn(22, h, 32))[0] for h in (4, 2, 2))
+    one = torch.ones(1)
+    for compute_lse in (True, False):
+        args = (q8, k8, v8, one, one, one, one, cu(lens), cu(lens), 12, 12, 32 ** -0.5, 256.0, True, compute_lse, True)
+        torch.library.opcheck(torch.ops.cudnn_sdpa.fp8_varlen_fwd, args,
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["cu_kv_default", "cu_kv_given"])
+def test_compiled_fullgraph_forward_and_backward_equal_eager(cross):
+    torch._dynamo.reset()
+    lens_q, lens_kv = ([7, 3, 12], [5, 9, 4]) if cross else ([7, 3, 12], None)
+    q, k, v, go = inputs(lens_q, lens_kv, seed=15)
+    kw = dict(cu_seqlens_q=cu(lens_q), max_seqlen_q=12, max_seqlen_kv=12, is_causal=True)
+    if cross:
+        kw["cu_seqlens_kv"] = cu(lens_kv)
+    recipe = fp8.Recipe()
+    compiled = torch.compile(lambda q, k, v: fp8.attention(q, k, v, recipe=recipe, **kw), backend="eager",
+                             fullgraph=True)
+    results = []
+    for fn in (compiled, lambda q, k, v: fp8.attention(q, k, v, recipe=fp8.Recipe(), **kw)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(go)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
+
+
+# -------------------------------------------------------------------------------- arguments
+
+LENS_OK = [7, 3, 12]
+
+
+def _bad_calls():
+    q, k, v, _ = inputs(LENS_OK, seed=13)
+    c = cu(LENS_OK)
+    ok = dict(cu_seqlens_q=c, max_seqlen_q=12, max_seqlen_kv=12)
+    dense = q.view(1, 22, 4, 32).transpose(1, 2)
+    return {
+        "dense_q_with_cu": ((dense, dense, dense), ok, ValueError, "q must be 3-D .T, H, D. with cu_seqlens_q"),
+        "packed_q_without_cu": ((q, k, v), {}, ValueError, "q must be 4-D"),
+        "max_seqlen_without_cu": ((dense, dense, dense), dict(max_seqlen_q=12), ValueError,
+                                  "are for packed .T, H, D. inputs; pass cu_seqlens_q too"),
+        "cu_kv_without_cu_q": ((dense, dense, dense), dict(cu_seqlens_kv=c), ValueError, "pass cu_seqlens_q too"),
+        "seq_lens_with_cu": ((q, k, v), dict(ok, seq_lens_q=torch.tensor([7])), ValueError,
+                             "seq_lens_q / seq_lens_kv are for padded"),
+        "cu_float": ((q, k, v), dict(ok, cu_seqlens_q=c.float()), TypeError, "cu_seqlens_q must be int32 or int64"),
+        "cu_list": ((q, k, v), dict(ok, cu_seqlens_q=[0, 7, 10, 22]), TypeError,
+                    "cu_seqlens_q must be a torch.Tensor"),
+        "cu_2d": ((q, k, v), dict(ok, cu_seqlens_q=c.view(1, -1)), ValueError, "cu_seqlens_q must be 1-D prefix sums"),
+        "cu_not_from_0": ((q, k, v), dict(ok, cu_seqlens_q=c + 1), ValueError, r"cu_seqlens_q\[0\] must be 0"),
+        "cu_decreasing": ((q, k, v), dict(ok, cu_seqlens_q=torch.tensor([0, 7, 5, 22], dtype=torch.int32)),
+                          ValueError, "cu_seqlens_q must be non-decreasing"),
+        "cu_short_of_t": ((q, k, v), dict(ok, cu_seqlens_q=cu([7, 3, 11])), ValueError,
+                          r"cu_seqlens_q\[-1\] = 21 must equal the 22 packed tokens of q"),
+        "cu_past_t": ((q, k, v), dict(ok, cu_seqlens_q=cu([7, 3, 13]), max_seqlen_q=13, max_seqlen_kv=13),
+                      ValueError, "runs past the 22 packed tokens"),
+        "cu_kv_other_batch": ((q, k, v), dict(ok, cu_seqlens_kv=cu([10, 12])), ValueError,
+                              "cu_seqlens_q and cu_seqlens_kv must have the same shape"),
+        "cu_as_kv_short_of_t_kv": ((q, k[:20], v[:20]), ok, ValueError,
+                                   r"sequence 2 has 12 tokens|cu_seqlens_q \(as cu_seqlens_kv\)"),
+        "max_seqlen_too_small": ((q, k, v), dict(ok, max_seqlen_q=10), ValueError,
+                                 "sequence 2 has 12 tokens .* but max_seqlen_q = 10"),
+        "max_seqlen_kv_too_small": ((q, k, v), dict(ok, max_seqlen_kv=8), ValueError, "but max_seqlen_kv = 8"),
+        "max_seqlen_missing": ((q, k, v), dict(cu_seqlens_q=c, max_seqlen_kv=12), ValueError,
+                               "max_seqlen_q must be an integer >= 1"),
+        "max_seqlen_past_t": ((q, k, v), dict(ok, max_seqlen_q=23), ValueError, "more than the 22 packed tokens"),
+        "max_seqlen_tensor": ((q, k, v), dict(ok, max_seqlen_q=torch.tensor(12)), TypeError,
+                              "max_seqlen_q must be an integer"),
+        "kv_tokens_differ": ((q, k, v[:21]), ok, ValueError, "k and v must have the same number of tokens"),
+        "heads": ((q, k[:, :1].expand(22, 3, 32), v[:, :1].expand(22, 3, 32)), ok, ValueError, "GQA/MQA"),
+        "fp8_operands": (tuple(fp8.quantize(t)[0] for t in (q, k, v)), ok, TypeError, "must share one of"),
+        "is_causal_int": ((q, k, v), dict(ok, is_causal=1), TypeError, "is_causal must be a bool"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_calls()))
+def test_bad_arguments_raise_naming_the_argument(name):
+    args, kwargs, error, match = _bad_calls()[name]
+    with pytest.raises(error, match=match):
+        fp8.attention(*args, **kwargs)
+
+
+def test_int64_cu_seqlens_are_taken_as_csp_attention_takes_them():
+    q, k, v, go = inputs(LENS_OK, seed=14)
+    out = fp8.attention(q, k, v, cu_seqlens_q=cu(LENS_OK).long(), max_seqlen_q=12, max_seqlen_kv=12)
+    assert out.shape == q.shape
