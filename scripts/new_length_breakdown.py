@@ -1,6 +1,6 @@
 """Where a first call at a new sequence length spends its time, against the same call repeated (GPU).
 
-    python3 scripts/new_length_breakdown.py [--lengths 16] [--top 30]
+    python3 scripts/new_length_breakdown.py [--lengths 16] [--top 30] [--segments]
 
 The bench's ``new_length`` cases (``cudnn_sdpa_provider/tools/bench/shape_child.py``: decode,
 causal prefill forward, prefill forward+backward; the same inputs) through F.sdpa inside
@@ -11,7 +11,10 @@ causal prefill forward, prefill forward+backward; the same inputs) through F.sdp
 - wall us: the same, synchronised at both ends (the bench's ``first_vs_repeated`` is their ratio);
 - torch.profiler over 8 first calls and then 8 repeated calls: per op, calls and total CPU and CUDA
   time, so allocations, copies and kernels that only a new length runs show as a difference;
-- cProfile of the first calls (cumulative), the package's Python by function.
+- cProfile of the first calls (cumulative), the package's Python by function;
+- ``--segments``: instead of the profilers, the host time of the package's steps per first and per
+  repeated call (each wrapped with a perf_counter, no profiler), and one small-tensor upload timed
+  while the GPU is busy with a long matmul (an upload that waits for the GPU shows here).
 
 Inputs are random, never zeros. Prints text only.
 """
@@ -103,14 +106,81 @@ def case(name, make, start, causal, backward, n, top) -> None:
     print(text.getvalue())
 
 
+_SEGMENTS = (("engine.dense", ("forward", "backward", "_rebound", "_fwd_family", "_bwd_family")),
+             ("engine.folded", ("bind_forward", "bind_backward", "rebind_forward", "run_forward", "run_backward",
+                                "_tensors", "_made", "_order")),
+             ("engine.fold_values", ("resolve", "_upload")),
+             ("engine.binding", ("run",)),
+             ("ops.route", ("call",)))
+
+
+def _wrap_segments() -> dict:
+    """Wrap the package's steps (``_SEGMENTS``) with host-time accumulators; returns {name: [s, n]}."""
+    import importlib
+
+    acc: dict = {}
+    for mod_name, names in _SEGMENTS:
+        mod = importlib.import_module(f"cudnn_sdpa_provider.{mod_name}")
+        for name in names:
+            real, slot = getattr(mod, name), acc.setdefault(f"{mod_name.split('.')[-1]}.{name}", [0.0, 0])
+
+            def timed(*args, _real=real, _slot=slot, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    _slot[0] += time.perf_counter() - t
+                    _slot[1] += 1
+
+            setattr(mod, name, timed)
+    return acc
+
+
+def segments(n: int) -> None:
+    acc = _wrap_segments()
+    for name, make, start, causal, backward in CASES:
+        _calls(make, start, 1, causal, backward)[0]()
+        for label, calls in (("first", _calls(make, start + 1, n, causal, backward)), ("repeated", None)):
+            if calls is None:
+                again = _calls(make, start + n, 1, causal, backward)[0]
+                for _ in range(3):
+                    again()
+                calls = [again] * n
+            for slot in acc.values():
+                slot[0], slot[1] = 0.0, 0
+            host = statistics.median(_host_and_wall(c)[0] for c in calls)
+            rows = sorted(((k, v[0] / n * 1e6, v[1] / n) for k, v in acc.items() if v[1]), key=lambda r: -r[1])
+            print(f"{name:16s} {label:9s} host {host:7.1f} us/call: "
+                  + ", ".join(f"{k} {us:.1f} ({c:g}x)" for k, us, c in rows))
+    from cudnn_sdpa_provider.engine import fold_values as fv
+
+    print("pinned host buffer:", torch.empty(8, dtype=torch.int32, pin_memory=True).is_pinned())
+    a = torch.randn(8192, 8192, device="cuda")
+    for busy in (False, True):
+        fv.clear()
+        torch.cuda.synchronize()
+        if busy:
+            for _ in range(4):
+                a @ a  # about 10 ms of work queued ahead of the upload
+        t = time.perf_counter()
+        fv.resolve([fv.length_request(8, 1234 + busy, torch.device("cuda"), fv.stream_of(torch.device("cuda")))],
+                   torch.device("cuda"))
+        print(f"one small upload, GPU {'busy' if busy else 'idle'}: {(time.perf_counter() - t) * 1e6:.1f} us host")
+        torch.cuda.synchronize()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, default=16)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--segments", action="store_true", help="host time per package step instead")
     a = parser.parse_args(argv)
     print("torch", torch.__version__, "cuDNN", torch.backends.cudnn.version(), torch.cuda.get_device_name())
     with csp.enable():
         F.scaled_dot_product_attention(*decode_inputs(64), enable_gqa=True)
+        if a.segments:
+            segments(a.lengths)
+            return 0
         for spec in CASES:
             case(*spec, a.lengths, a.top)
     print(csp.report())
