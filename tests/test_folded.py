@@ -511,17 +511,27 @@ def test_a_growing_decode_cache_uploads_its_small_tensors_once_per_look_ahead(fa
     _values_are_their_keys()
 
 
-def test_a_new_prefill_length_uploads_what_it_misses_in_one_copy(fake, monkeypatch):
-    """A new prefill length (GQA, so Q, O and the LSE are token-major scratch) misses its length and
-    three offsets tensors (Q and O share strides, K and V): one copy carries all four; the backward
-    (dO and dQ token-major like Q, dK and dV like K) finds every one of its tensors kept."""
+def test_a_new_prefill_length_uploads_its_chunk_in_one_copy(fake, monkeypatch):
+    """A new self-attention length (GQA, so Q, O and the LSE are token-major scratch) misses its
+    length and offsets: one copy carries them for every length of its chunk (``CHUNK`` lengths), so
+    the backward (dO and dQ token-major like Q, dK and dV like K) and later lengths of the chunk, in
+    any order, upload nothing; a length in the next chunk uploads that chunk. A chunked prefill
+    (S_q != S_kv) uploads what it misses, one copy a call."""
+    monkeypatch.setattr(fold_values, "CHUNK", 8)
     fold_values.clear()
     uploads = _counted_uploads(monkeypatch)
     gen = torch.Generator().manual_seed(14)
-    for s in (19, 23):
+    for s in (19, 23, 17, 25):  # chunk 17..24 (bucket 32), then 25..32
         q, k, v = _operands("contiguous", 2, 8, 2, s, s, 8, gen)
         _check(q, k, v, torch.randn(2, 8, s, 8, generator=gen), window=(-1, 0))
-    assert uploads == [4, 4], uploads
+    # per length: its lengths, Q's and O's offsets (the same strides), K's and V's, the LSE's
+    assert uploads == [8 * 4, 8 * 4], uploads
+    _values_are_their_keys()
+    del uploads[:]
+    for s_q in (5, 6):
+        q, k, v = _operands("contiguous", 2, 8, 2, s_q, 21, 8, gen)
+        _check(q, k, v, torch.randn(2, 8, s_q, 8, generator=gen), window=(-1, 0), bottom_right=True)
+    assert len(uploads) == 2 and all(n <= 4 for n in uploads), uploads
     _values_are_their_keys()
 
 

@@ -26,14 +26,16 @@ import torch
 
 from ..core import layout
 
-__all__ = ["SMALL_KEPT", "AHEAD", "stream_of", "fold_strides", "length_key", "length_request", "offsets_request", "operand", "resolve",
-           "ahead", "kept", "clear", "layout_of"]
+__all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "stream_of", "fold_strides", "length_key", "length_request",
+           "offsets_request", "operand", "resolve", "ahead", "chunk", "kept", "clear", "layout_of"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
 #: eviction frees nothing a binding still needs.
-SMALL_KEPT = 1024
+SMALL_KEPT = 8192
 #: Decode lengths uploaded ahead of the one a binding misses (``ahead``).
 AHEAD = 32
+#: Self-attention lengths uploaded together when a binding misses one of them (``chunk``).
+CHUNK = 32
 _PER = layout.ALIGN // 4  # int32 values per 16 bytes: every view starts 16-byte aligned
 _tls = threading.local()
 
@@ -135,19 +137,37 @@ def ahead(kv: tuple, n: int, h_kv: int, s_kv: int, bucket: int, device, stream: 
     of them, inside ``bucket``): their lengths, and the offsets of each K/V tensor whose strides
     follow from its length (``resolve`` uploads them with its requests)."""
     lengths = list(range(s_kv + 1, min(s_kv + AHEAD, bucket) + 1))
+    return _blocks(lengths, [(t, 1) for t in kv], n, h_kv, device, stream)
+
+
+def chunk(operands, n: int, h_kv: int, s: int, bucket: int, device, stream: int) -> list:
+    """Blocks of every length of ``s``'s chunk (the ``CHUNK`` lengths ``c * CHUNK + 1 ..
+    (c + 1) * CHUNK`` that hold ``s``, inside ``bucket``): their lengths, and the offsets of each
+    (tensor, groups) operand whose strides follow from its length, with S_q = S_kv = that length
+    (self-attention: prefill, training). Uploaded when a binding misses ``s``'s lengths, so later
+    lengths of the chunk, in any order, upload nothing."""
+    lo = (s - 1) // CHUNK * CHUNK + 1
+    return _blocks(list(range(lo, min(lo + CHUNK - 1, bucket) + 1)), operands, n, h_kv, device, stream)
+
+
+def _blocks(lengths: list, operands, n: int, h_kv: int, device, stream: int) -> list:
+    """The lengths block of ``lengths`` and one offsets block per distinct (tensor, groups) operand
+    whose layout ``layout_of`` knows, each row that operand's offsets at that length."""
     if not lengths:
         return []
     blocks = [([length_key(n, s, device, stream) for s in lengths],
                torch.tensor(lengths, dtype=torch.int32)[:, None].expand(len(lengths), n))]
-    for t in kv:
+    seen = set()
+    for t, groups in operands:
         kind = layout_of(t)
         if kind is None:
             continue
-        pairs = [fold_strides((t.shape[0], t.shape[1], s, t.shape[3]), _strides(kind, t.shape[1], s, t.shape[3]),
-                              t.element_size(), h_kv, 1) for s in lengths]
+        b, h, _, d = t.shape
+        pairs = [fold_strides((b, h, s, d), _strides(kind, h, s, d), t.element_size(), h_kv, groups) for s in lengths]
         keys = [_offsets_key(device, stream, n, h_kv, sb, sg) for sb, sg in pairs]
-        if any(keys[0] == block[0][0] for block in blocks):
-            continue  # K and V with the same strides
+        if keys[0] in seen:
+            continue  # another operand with the same strides (K and V, Q and O)
+        seen.add(keys[0])
         sb, sg = zip(*pairs)
         blocks.append((keys, _offset_rows(n, h_kv, sb, sg)))
     return blocks
@@ -170,7 +190,8 @@ def resolve(requests: list, device, blocks: list = ()) -> dict:
             cache.move_to_end(key)
             found[key] = t
     if missing or blocks:
-        made = _upload({key: values() for key, values in missing.items()}, blocks, device)
+        covered = {key for keys, _ in blocks for key in keys}
+        made = _upload({key: values() for key, values in missing.items() if key not in covered}, blocks, device)
         cache.update(made)
         found.update((key, made[key]) for key in missing)
         while len(cache) > SMALL_KEPT:

@@ -226,15 +226,21 @@ def _lse_target(b: int, h: int, s_q: int, groups: int, device) -> tuple[torch.Te
 # ---------------------------------------------------------------------------------------- forward
 
 
-def _tensors(wanted: list, device, stream, decode=None) -> tuple:
+def _tensors(wanted: list, device, stream, decode=None, chunk=None) -> tuple:
     """The binding's small device tensors in ``wanted``'s order, in one upload for those not kept
     (``fold_values``). ``decode``, (k, v, n, H_kv, S_kv): a decode forward's; when its KV length is
-    not kept, the next lengths' are uploaded too (``fold_values.ahead``)."""
+    not kept, the next lengths' are uploaded too (``fold_values.ahead``). ``chunk``, (operands, n,
+    H_kv, S): a self-attention forward's (S_q = S_kv = S, operands (tensor, groups)); when its
+    length is not kept, every length of its chunk is uploaded too (``fold_values.chunk``)."""
     blocks = ()
     if decode is not None:
         k, v, n, h_kv, s_kv = decode
         if fv.length_key(n, s_kv, device, stream) not in fv.kept():
             blocks = fv.ahead((k, v), n, h_kv, s_kv, seqlen_bucket(s_kv), device, stream)
+    elif chunk is not None:
+        operands, n, h_kv, s = chunk
+        if fv.length_key(n, s, device, stream) not in fv.kept():
+            blocks = fv.chunk(operands, n, h_kv, s, seqlen_bucket(s), device, stream)
     found = fv.resolve(wanted, device, blocks)
     return tuple(found[key] for key, _ in wanted)
 
@@ -270,7 +276,10 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
             return None
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream),
               r_q, r_k, r_v, r_o] + ([r_l] if compute_lse else [])
-    tensors = _tensors(wanted, q.device, stream, (k, v, n, h_kv, s_kv) if s_q == 1 else None)
+    decode = (k, v, n, h_kv, s_kv) if s_q == 1 else None
+    chunk = ([(qr, groups), (k, 1), (v, 1), (out_buf, groups), (lse_buf, groups)], n, h_kv, s_q) \
+        if s_q == s_kv > 1 else None
+    tensors = _tensors(wanted, q.device, stream, decode, chunk)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
