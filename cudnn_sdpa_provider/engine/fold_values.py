@@ -13,8 +13,11 @@ Decode walks its length up one token a step. When a decode binding misses its KV
 lengths and the K/V offsets of the next ``AHEAD`` lengths inside the bucket are uploaded in the
 same copy (``ahead``), for K/V caches whose strides follow from their length (a contiguous
 (B, H, S, D) cache, as HF's DynamicCache concatenates, or token-major (B, S, H, D) seen through
-``transpose(1, 2)``): the next steps then find them in the cache. A guess that does not come true
-costs a few hundred bytes; every entry is correct for its key, whatever call finds it.
+``transpose(1, 2)``): the next steps then find them in the cache. A self-attention binding (prefill,
+training: S_q = S_kv) that misses its length uploads the lengths and offsets of every length of its
+chunk (``CHUNK`` lengths, ``chunk``) the same way, so the chunk's other lengths, in whatever order
+they come, upload nothing. A guess that does not come true costs a few hundred bytes; every entry
+is correct for its key, whatever call finds it.
 """
 
 from __future__ import annotations
