@@ -441,14 +441,7 @@ def _packed(q, k, v, is_causal, scale, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max
         raise ValueError("seq_lens_q / seq_lens_kv are for padded (B, H, S, D) inputs; packed inputs take their "
                          "lengths from cu_seqlens_q / cu_seqlens_kv")
     _packed_operands(q, k, v)
-    given = (cu_q, cu_q if cu_kv is None else cu_kv)  # checked as given (int64 values unclamped)
-    cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_q, q.device)
-    cu_kv = cu_q if cu_kv is None else arguments.cu_seqlens("cu_seqlens_kv", cu_kv, q.device)
-    if cu_kv.shape != cu_q.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must have the same shape (one entry per sequence, plus "
-                         f"one), got {tuple(cu_q.shape)} and {tuple(cu_kv.shape)}")
-    max_q = arguments.max_seqlen("max_seqlen_q", max_q, q.shape[0], "q")
-    max_kv = arguments.max_seqlen("max_seqlen_kv", max_kv, k.shape[0], "k")
+    given, cu_q, cu_kv, max_q, max_kv = arguments.packed_lengths(q, k, cu_q, cu_kv, max_q, max_kv)
     if q.device.type == "cpu" and arguments.readable(cu_q):
         _check_packed_values("cu_seqlens_q", given[0], q.shape[0], "max_seqlen_q", max_q, "q")
         kv_name = "cu_seqlens_kv" if given[1] is not given[0] else "cu_seqlens_q (as cu_seqlens_kv)"

@@ -148,14 +148,7 @@ def _packed(q, k, v, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max_q, max_kv, dropou
         raise ValueError("dropout_p is not supported with packed (cu_seqlens) inputs; use dense inputs")
     if seq_lens_q is not None or seq_lens_kv is not None:
         raise ValueError("seq_lens_q/seq_lens_kv are for padded dense inputs; packed inputs use cu_seqlens")
-    given = (cu_q, cu_q if cu_kv is None else cu_kv)  # checked as given (int64 values unclamped)
-    cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_q, q.device)
-    cu_kv = cu_q if cu_kv is None else arguments.cu_seqlens("cu_seqlens_kv", cu_kv, q.device)
-    if cu_kv.shape != cu_q.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must have the same shape, got {tuple(cu_q.shape)} and "
-                         f"{tuple(cu_kv.shape)}")
-    max_q = arguments.max_seqlen("max_seqlen_q", max_q, q.shape[0], "q")
-    max_kv = arguments.max_seqlen("max_seqlen_kv", max_kv, k.shape[0], "k")
+    given, cu_q, cu_kv, max_q, max_kv = arguments.packed_lengths(q, k, cu_q, cu_kv, max_q, max_kv)
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
     if c.check_values:

@@ -223,7 +223,8 @@ BAD = {
     "cu_kv_dtype": (_case((P3, P3, P3), cu_seqlens_kv=CU.double(), **PACKED), TypeError,
                     r"cu_seqlens_kv must be int32 or int64"),
     "cu_kv_shape": (_case((P3, P3, P3), cu_seqlens_kv=torch.tensor([0, 6], dtype=torch.int32), **PACKED), ValueError,
-                    r"cu_seqlens_q and cu_seqlens_kv must have the same shape, got \(3,\) and \(2,\)"),
+                    r"cu_seqlens_q and cu_seqlens_kv must have the same shape \(one entry per sequence, plus one\), "
+                    r"got \(3,\) and \(2,\)"),
     "cu_not_tensor": (_case((P3, P3, P3), cu_seqlens_q=[0, 2, 6], max_seqlen_q=4, max_seqlen_kv=4), TypeError,
                       r"cu_seqlens_q must be a torch.Tensor"),
     "missing_max_seqlen_q": (_case((P3, P3, P3), cu_seqlens_q=CU, max_seqlen_kv=4), ValueError,

@@ -27,9 +27,9 @@ import torch
 
 from . import support
 
-__all__ = ["require_tensor", "readable", "common", "lengths", "block_table", "cu_seqlens", "max_seqlen", "scale",
-           "dropout", "flag", "integer", "real", "window", "KV_LAYOUTS", "kv_layout", "validate_mode", "check_lengths",
-           "check_cu_seqlens", "check_block_table"]
+__all__ = ["require_tensor", "readable", "common", "lengths", "block_table", "cu_seqlens", "max_seqlen",
+           "packed_lengths", "scale", "dropout", "flag", "integer", "real", "window", "KV_LAYOUTS", "kv_layout",
+           "validate_mode", "check_lengths", "check_cu_seqlens", "check_block_table"]
 
 
 def require_tensor(name: str, t) -> None:
@@ -206,6 +206,21 @@ def max_seqlen(name: str, value, tokens: int | None = None, tensor: str = "q") -
         raise ValueError(f"{name} = {number} is more than the {tokens} packed tokens of {tensor}: no sequence is "
                          f"that long (pass the longest sequence's length)")
     return number
+
+
+def packed_lengths(q, k, cu_q, cu_kv, max_q, max_kv) -> tuple:
+    """The packed (varlen) length arguments of a call on q (T_q, H, D) and k (T_kv, H, D), checked:
+    (given, cu_q, cu_kv, max_q, max_kv), with ``given`` the prefix sums as passed (cu_kv defaulting
+    to cu_q; int64 values unclamped, for value checks), cu_q / cu_kv as int32 on q's device and the
+    longest lengths as host ints."""
+    given = (cu_q, cu_q if cu_kv is None else cu_kv)
+    cu_q = cu_seqlens("cu_seqlens_q", cu_q, q.device)
+    cu_kv = cu_q if cu_kv is None else cu_seqlens("cu_seqlens_kv", cu_kv, q.device)
+    if cu_kv.shape != cu_q.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must have the same shape (one entry per sequence, plus "
+                         f"one), got {tuple(cu_q.shape)} and {tuple(cu_kv.shape)}")
+    return (given, cu_q, cu_kv, max_seqlen("max_seqlen_q", max_q, q.shape[0], "q"),
+            max_seqlen("max_seqlen_kv", max_kv, k.shape[0], "k"))
 
 
 def scale(value, head_dim: int) -> float:
