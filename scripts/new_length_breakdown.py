@@ -16,7 +16,9 @@ causal prefill forward, prefill forward+backward; the same inputs) through F.sdp
   repeated call (each wrapped with a perf_counter, no profiler), and one small-tensor upload timed
   while the GPU is busy with a long matmul (an upload that waits for the GPU shows here).
 
-Inputs are random, never zeros. Prints text only.
+The lengths of each measurement are new to the process; consecutive ones share a length chunk, so
+a self-attention call's first call at a length is mostly a chunk hit (``fold_values.chunk``), as
+in the bench. Inputs are random, never zeros. Prints text only.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def case(name, make, start, causal, backward, n, top) -> None:
     for label, rows in (("first", first), ("repeated", repeated)):
         host, wall = (statistics.median(r[i] for r in rows) for i in (0, 1))
         print(f"{label:9s} host {host:8.1f} us   wall {wall:8.1f} us")
-    for label, calls in (("first calls", _calls(make, start + 2 * n + 1, 8, causal, backward)),
+    step = max(n, 8)  # each measurement's lengths new to the process
+    for label, calls in (("first calls", _calls(make, start + 2 * step + 1, 8, causal, backward)),
                          ("repeated calls", [again] * 8)):
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -92,7 +95,7 @@ def case(name, make, start, causal, backward, n, top) -> None:
             torch.cuda.synchronize()
         print(f"--- torch.profiler, 8 {label}")
         print(_table(prof, top))
-    calls = _calls(make, start + 3 * n + 1, n, causal, backward)
+    calls = _calls(make, start + 3 * step + 1, n, causal, backward)
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
@@ -163,8 +166,8 @@ def segments(n: int) -> None:
             for _ in range(4):
                 a @ a  # about 10 ms of work queued ahead of the upload
         t = time.perf_counter()
-        fv.resolve([fv.length_request(8, 1234 + busy, torch.device("cuda"), fv.stream_of(torch.device("cuda")))],
-                   torch.device("cuda"))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        fv.resolve([fv.length_request(8, 1234 + busy, dev, fv.stream_of(dev))], dev)
         print(f"one small upload, GPU {'busy' if busy else 'idle'}: {(time.perf_counter() - t) * 1e6:.1f} us host")
         torch.cuda.synchronize()
 

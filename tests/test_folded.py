@@ -775,3 +775,18 @@ def test_the_gpu_file_s_child_runner_reports_a_hung_or_failed_child_with_its_las
     with pytest.raises(AssertionError, match="quiet: child exit 0"):  # exit 0 without saying it finished
         gpu_file._run_child("quiet", "print('START S=64')", env_vars, 60)
     assert gpu_file._run_child("ok", "print('START S=65'); print('ok done')", env_vars, 60) == "START S=65\nok done\n"
+
+
+def test_a_chunk_keeps_no_offsets_past_int32_and_no_block_past_its_size(monkeypatch):
+    """``fold_values.chunk`` rows for longer lengths of the chunk whose offsets would pass int32 are
+    left out (never stored wrapped), and a chunk whose rows would pass ``BLOCK_VALUES`` is not made
+    (each length then uploads its own). A reviewer's case: B 1864134, H 1, S 9 of a 16-length chunk."""
+    t = torch.empty(1864134, 1, 9, 128, dtype=torch.float16, device="meta")
+    cpu = torch.device("cpu")
+    assert fold_values.chunk([(t, 1)], t.shape[0], 1, 9, 16, cpu, 0) == []
+    monkeypatch.setattr(fold_values, "BLOCK_VALUES", 1 << 40)
+    (len_keys, lens), (keys, rows) = fold_values.chunk([(t, 1)], t.shape[0], 1, 9, 16, cpu, 0)
+    assert len(len_keys) == 16 and 0 < len(keys) < 16 and rows.dtype == torch.int32
+    for key, row in zip(keys, rows):
+        n, h_kv, sb, sg = key[3:]
+        assert row[-1].item() == n // h_kv * sb >= 0, key  # the end entry, unwrapped

@@ -297,6 +297,24 @@ def test_engine_out_of_range_cu_seqlens_read_nothing_and_give_nan(served):
     assert not call[graphs.UID.SEQ_Q].any() and not call[graphs.UID.SEQ_KV].any()
 
 
+@pytest.mark.parametrize("route_", ["reference", "served"])
+@pytest.mark.parametrize("big", [0.0, 1e6])
+def test_cu_seqlens_ending_short_of_the_tokens_give_nan_on_the_op(request, route_, big):
+    """The op (what a CUDA call reaches: the host never reads its cu_seqlens) with sequences that end
+    before the packed tokens: every output and gradient is NaN, whatever the rows past them hold
+    (stale rows of a large value would otherwise set the per-tensor scales and zero every sequence
+    silently: a reviewer's reproducer)."""
+    if route_ == "served":
+        request.getfixturevalue("served")
+    lens = [7, 3, 12]
+    q, k, v, _ = inputs(lens, d=128, seed=17)
+    q, k, v = (torch.cat((t, torch.full((5,) + tuple(t.shape[1:]), big))).requires_grad_() for t in (q, k, v))
+    out = fp8_varlen.attention(q, k, v, cu(lens), cu(lens), 12, 12, fp8.Recipe(), 128 ** -0.5, False, True)
+    assert torch.isnan(out).all()
+    out.backward(torch.ones_like(out))
+    assert all(torch.isnan(g).all() for g in (q.grad, k.grad, v.grad))
+
+
 def test_the_padded_form_round_trips_every_token():
     lens = [7, 0, 3, 12]
     place = fp8_varlen.Placement(cu(lens), cu(lens), 12, 12, 22, 22)

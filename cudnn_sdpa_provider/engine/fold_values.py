@@ -29,7 +29,7 @@ import torch
 
 from ..core import layout
 
-__all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "stream_of", "fold_strides", "length_key", "length_request",
+__all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "BLOCK_VALUES", "stream_of", "fold_strides", "length_key", "length_request",
            "offsets_request", "operand", "resolve", "ahead", "chunk", "kept", "clear", "layout_of"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
@@ -39,7 +39,10 @@ SMALL_KEPT = 8192
 AHEAD = 32
 #: Self-attention lengths uploaded together when a binding misses one of them (``chunk``).
 CHUNK = 32
+#: The most int32 values one block of look-ahead or chunk rows may hold (256 KiB).
+BLOCK_VALUES = 1 << 16
 _PER = layout.ALIGN // 4  # int32 values per 16 bytes: every view starts 16-byte aligned
+_INT32_MAX = 2**31 - 1
 _tls = threading.local()
 
 
@@ -114,10 +117,10 @@ def _offsets(n: int, h_kv: int, sb: int, sg: int) -> list:
 
 
 def _offset_rows(n: int, h_kv: int, sb, sg) -> torch.Tensor:
-    """(len(sb), n + 1) int32: row j holds ``_offsets(n, h_kv, sb[j], sg[j])``."""
+    """(len(sb), n + 1) int64: row j holds ``_offsets(n, h_kv, sb[j], sg[j])``."""
     i = torch.arange(n + 1, dtype=torch.int64)
     sb, sg = (torch.tensor(x, dtype=torch.int64)[:, None] for x in (sb, sg))
-    return ((i // h_kv)[None, :] * sb + (i % h_kv)[None, :] * sg).to(torch.int32)
+    return (i // h_kv)[None, :] * sb + (i % h_kv)[None, :] * sg
 
 
 def layout_of(t: torch.Tensor) -> str | None:
@@ -155,8 +158,9 @@ def chunk(operands, n: int, h_kv: int, s: int, bucket: int, device, stream: int)
 
 def _blocks(lengths: list, operands, n: int, h_kv: int, device, stream: int) -> list:
     """The lengths block of ``lengths`` and one offsets block per distinct (tensor, groups) operand
-    whose layout ``layout_of`` knows, each row that operand's offsets at that length."""
-    if not lengths:
+    whose layout ``layout_of`` knows, each row that operand's offsets at that length. None where
+    the rows would pass ``BLOCK_VALUES`` values (so many folds: each length then uploads its own)."""
+    if not lengths or len(lengths) * (n + 1) > BLOCK_VALUES:
         return []
     blocks = [([length_key(n, s, device, stream) for s in lengths],
                torch.tensor(lengths, dtype=torch.int32)[:, None].expand(len(lengths), n))]
@@ -172,7 +176,12 @@ def _blocks(lengths: list, operands, n: int, h_kv: int, device, stream: int) -> 
             continue  # another operand with the same strides (K and V, Q and O)
         seen.add(keys[0])
         sb, sg = zip(*pairs)
-        blocks.append((keys, _offset_rows(n, h_kv, sb, sg)))
+        rows = _offset_rows(n, h_kv, sb, sg)
+        fits = rows.amax(dim=1) <= _INT32_MAX  # a longer length's offsets may pass int32: not kept
+        if not bool(fits.all()):
+            keys, rows = [key for key, ok in zip(keys, fits.tolist()) if ok], rows[fits]
+        if keys:
+            blocks.append((keys, rows.to(torch.int32)))
     return blocks
 
 

@@ -17,7 +17,9 @@ Like ``fp8_cudnn``, this runs on CUDA tensors and never decides a fallback. Oper
 contiguous float8_e4m3fn (T, H, D) (others are copied first); out (T_q, H_q, D_v) float8_e4m3fn,
 lse (T_q, H_q) fp32 token-major, amax (2,) [s, o]. Lengths are never read on the host: cu_seqlens
 that do not start at 0, decrease, run past the tokens or hold a sequence longer than its
-max_seqlen reach cuDNN as zero lengths and the outputs are NaN (``packed._Lengths``). Rows past
+max_seqlen (with ``whole``, also: end anywhere but at the packed tokens, as ``csp.fp8.attention``
+requires, its scales coming from the whole tensors) reach cuDNN as zero lengths and the outputs are
+NaN (``packed._Lengths``). Rows past
 cu_seqlens_q[-1] are never written by cuDNN: they keep the fill (0), or a caller's ``out`` / ``lse``
 buffer's contents.
 """
@@ -66,7 +68,7 @@ def _filled(n: _Lengths, buf: torch.Tensor | None, shape, dtype, device) -> torc
 
 def forward(q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int,
             max_seqlen_kv: int, *, scale: float, scale_s: float, causal: bool, compute_lse: bool, out=None,
-            lse=None):
+            lse=None, whole: bool = False):
     """cuDNN FP8 varlen forward: (out (T_q, H_q, D_v) FP8, lse (T_q, H_q) fp32 or an empty tensor,
     amax (2,) [s, o]). ``out`` / ``lse``: contiguous buffers of those shapes to write into (rows
     outside the sequences keep their contents: the GPU tier's canaries)."""
@@ -74,7 +76,7 @@ def forward(q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_
     signature = ("fp8_varlen_fwd", q.device.index, _key(q), _key(k), _key(v), nb, sq, skv, float(scale),
                  bool(causal), bool(compute_lse))
     found = bd.lookup(signature) or bd.store(signature, _bind(q, k, v, nb, sq, skv, scale, causal, compute_lse))
-    n = _Lengths(cu_seqlens_q, cu_seqlens_kv, nb, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv)
+    n = _Lengths(cu_seqlens_q, cu_seqlens_kv, nb, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, whole=whole)
     qr, kr, vr = (layout.packed_repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
     t_q, h = q.shape[0], q.shape[1]
     o = _filled(n, out, (t_q, h, v.shape[2]), torch.float8_e4m3fn, q.device)

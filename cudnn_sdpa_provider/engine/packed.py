@@ -167,13 +167,19 @@ class _Lengths:
     when any length is out of range), the lengths cuDNN reads, ragged offsets by token stride, the
     0-dim ``bad`` flag and the value the outputs start at (NaN when bad, else 0)."""
 
-    def __init__(self, cu_q, cu_kv, batch: int, t_q: int, t_kv: int, max_q: int, max_kv: int):
+    def __init__(self, cu_q, cu_kv, batch: int, t_q: int, t_kv: int, max_q: int, max_kv: int, whole: bool = False):
+        """``whole``: the sequences must cover every packed token (cu_seqlens ending at T; FP8's rule,
+        whose per-tensor scales come from the whole tensors), else the call is bad too."""
         same = cu_q is cu_kv
+        if whole:
+            short = (cu_q[-1] != t_q) | (cu_kv[-1] != t_kv)
         cu_q = _to_batch(cu_q, batch)
         cu_kv = cu_q if same else _to_batch(cu_kv, batch)
         diff_q = cu_q.diff()
         diff_kv = diff_q if same else cu_kv.diff()
         self.bad = rows.bad_packed_lengths(cu_q, diff_q, cu_kv, diff_kv, t_q, t_kv, max_q, max_kv)
+        if whole:
+            self.bad = self.bad | short
         self.cu_q = torch.where(self.bad, 0, cu_q)
         self.cu_kv = self.cu_q if same else torch.where(self.bad, 0, cu_kv)
         self.fill = torch.where(self.bad, float("nan"), 0.0)  # 0-dim: what the outputs start at

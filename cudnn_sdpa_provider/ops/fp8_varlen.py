@@ -17,8 +17,9 @@ dense backward either (head dim != 128 on sm_90, older GPUs), the same padded ca
 reference with that reason.
 
 Placement: token t of sequence b sits at (b, t - cu[b]); the sequences a bucket adds are empty.
-Every index stays in range whatever cu_seqlens holds; out-of-range cu_seqlens (unchecked on the GPU)
-give zero lengths and NaN outputs and gradients (``packed._Lengths``).
+Every index stays in range whatever cu_seqlens holds; out-of-range cu_seqlens (unchecked on the GPU),
+or ones that end short of the packed tokens, give zero lengths and NaN outputs and gradients
+(``packed._Lengths``, ``whole``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Placement:
 
     def __init__(self, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int, t_q: int, t_kv: int):
         self.batch, self.s_q, self.s_kv = fp8_packed.buckets(cu_q.shape[0] - 1, max_q, max_kv)
-        self.n = _Lengths(cu_q, cu_kv, self.batch, t_q, t_kv, max_q, max_kv)
+        self.n = _Lengths(cu_q, cu_kv, self.batch, t_q, t_kv, max_q, max_kv, whole=True)
         self.t_q, self.t_kv = t_q, t_kv
         self._q = self._indices(self.n.cu_q, self.n.len_q.view(-1), self.s_q, t_q)
         self._kv = self._q if (cu_kv is cu_q and self.s_kv == self.s_q and t_kv == t_q) else \
@@ -124,7 +125,7 @@ def _fwd(found, q, k, v, descale_q, descale_k, descale_v, scale_o, cu_q, cu_kv, 
          is_causal, compute_lse, fallback):
     args = (q, k, v, descale_q, descale_k, descale_v, scale_o, cu_q, cu_kv, max_q, max_kv)
     serve = None if found is _ON_CPU else (lambda: fp8_packed.forward(
-        *args, scale=scale, scale_s=scale_s, causal=is_causal, compute_lse=compute_lse))
+        *args, scale=scale, scale_s=scale_s, causal=is_causal, compute_lse=compute_lse, whole=True))
     return route.call("fp8_fwd", found, serve, lambda reason: _reference(*args, scale, scale_s, is_causal, compute_lse),
                       lambda: route.describe_call(q=q, k=k, v=v, cu_seqlens_q=cu_q, max_seqlen_q=max_q,
                                                   max_seqlen_kv=max_kv, is_causal=is_causal),
