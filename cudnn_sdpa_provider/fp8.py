@@ -151,11 +151,16 @@ def _operands(q, k, v, fp8: bool):
                             f"csp.fp8.forward), got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0] or v.shape[2] != k.shape[2]:
         raise ValueError(f"batch/sequence sizes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    _heads(q, k, v)
+
+
+def _heads(q, k, v) -> None:
+    """Heads (dim 1, dense and packed alike): H_q a multiple of H_k = H_v; q and k share the head dim (last)."""
     h_q, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
     if h_k == 0 or h_v == 0 or h_q % h_k or h_q % h_v or h_k != h_v:
         raise ValueError(f"H_q={h_q} must be a multiple of H_k={h_k} = H_v={h_v} (GQA/MQA)")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
 
 
 def _lengths(q, k, seq_lens_q, seq_lens_kv):
@@ -417,11 +422,7 @@ def _packed_operands(q, k, v) -> None:
         raise TypeError(f"q, k, v must share one of bfloat16, float16, float32, got {q.dtype}, {k.dtype}, {v.dtype}")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
-    h_q, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
-    if h_k == 0 or h_v == 0 or h_q % h_k or h_q % h_v or h_k != h_v:
-        raise ValueError(f"H_q={h_q} must be a multiple of H_k={h_k} = H_v={h_v} (GQA/MQA)")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k head dims differ: {q.shape[2]} vs {k.shape[2]}")
+    _heads(q, k, v)
 
 
 def _check_packed_values(name: str, given, tokens: int, max_name: str, max_len: int, tensor: str) -> None:
