@@ -385,8 +385,9 @@ def attention(q, k, v, *, is_causal=False, scale=None, seq_lens_q=None, seq_lens
     Packed (varlen) inputs, as ``csp.attention`` takes them: q (T_q, H_q, D), k, v (T_kv, H_k, D)
     with ``cu_seqlens_q`` ((B+1,) int32 prefix sums from 0 to T_q; ``cu_seqlens_kv`` defaults to it)
     and ``max_seqlen_q`` / ``max_seqlen_kv`` (host ints, the longest sequences); output (T_q, H_q,
-    D_v). The forward runs on cuDNN's packed FP8 graph, the backward on its dense one over the
-    padded form (docs/fp8.md, "Packed (varlen) inputs")."""
+    D_v). The forward runs on cuDNN's packed FP8 graph, the backward on the padded form (on the FP8
+    reference where the known-issues table keeps cuDNN's padded FP8 backward off: cuDNN 9.14+ on
+    sm_90+), docs/fp8.md, "Packed (varlen) inputs"."""
     arguments.flag("is_causal", is_causal)
     recipe = _recipe(recipe)
     if cu_seqlens_q is not None:

@@ -915,7 +915,9 @@ def test_fp8_served_on_hopper_with_cudnn_9_19_at_d_128(backward):
     assert p.kind == "fp8" and p.path == ("fp8_bwd" if backward else "fp8_fwd")
     assert len(p.dtypes) == (4 if backward else 3)
     assert support.reasons(p, HOPPER) == []
-    assert support.reasons(dataclasses.replace(p, padded=True), HOPPER) == []
+    padded = support.reasons(dataclasses.replace(p, padded=True), HOPPER)
+    # a padded backward: the known-issues row (wrong dK/dV on cuDNN 9.19, sm_90, run 65); the forward is served
+    assert [r.slug for r in padded] == (["cudnn_known_issue"] if backward else [])
     assert support.reasons(p, dataclasses.replace(HOPPER, cudnn_version=support.FP8_MIN)) == []
 
 

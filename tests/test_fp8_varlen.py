@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider.core import counters, support
+from cudnn_sdpa_provider.core import counters, known_issues, support
 from cudnn_sdpa_provider.core.errors import NotSupportedError
 from cudnn_sdpa_provider.engine import fp8_packed, graphs
 from cudnn_sdpa_provider.ops import fp8_ops, fp8_varlen, route
@@ -105,6 +105,15 @@ def served(monkeypatch):
     graphs.clear_cache()
 
 
+@pytest.fixture
+def padded_backward_row_lifted(served, monkeypatch):
+    """``served`` without the known-issues row that keeps every padded FP8 backward off cuDNN 9.19+
+    (wrong dK/dV on sm_90, run 65): the served backward route, as on a release that fixes it."""
+    monkeypatch.setattr(known_issues, "KNOWN_ISSUES", tuple(
+        r for r in known_issues.KNOWN_ISSUES if r.applies is not known_issues._fp8_padded_backward))
+    return served
+
+
 LENS = {
     "self": ([7, 3, 12, 1], None),
     "cross": ([5, 9, 2], [11, 4, 8]),
@@ -132,19 +141,55 @@ def test_reference_route_matches_fp64_per_sequence(case, causal, heads, dtype):
 @pytest.mark.parametrize("case", list(LENS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-def test_served_route_matches_fp64_per_sequence(served, case, causal, heads):
+def test_served_route_matches_fp64_per_sequence(padded_backward_row_lifted, case, causal, heads):
+    served = padded_backward_row_lifted
     lens_q, lens_kv = LENS[case]
     q, k, v, go = inputs(lens_q, lens_kv, *heads, d=128, dtype=torch.bfloat16, seed=2)
     before = counters.stats()
     got = run(q, k, v, go, lens_q, lens_kv, causal=causal)
-    assert delta(before) == {"fp8_fwd": {"served": 1, "fallback": {}}, "fp8_bwd": {"served": 1, "fallback": {}}}
     assert_matches(got, q, k, v, go, lens_q, lens_kv or lens_q, causal)
+    if case == "keyless":  # a zero-length sequence: the known-issues row, both passes on the reference
+        assert delta(before) == {"fp8_fwd": {"served": 0, "fallback": {"cudnn_known_issue": 1}},
+                                 "fp8_bwd": {"served": 0, "fallback": {"cudnn_known_issue": 1}}}
+        assert not served
+        return
+    assert delta(before) == {"fp8_fwd": {"served": 1, "fallback": {}}, "fp8_bwd": {"served": 1, "fallback": {}}}
     fwd, bwd = (g.key for g in served)
     assert not fwd.backward and fwd.ragged and not fwd.padded, "the forward is the packed graph"
     assert bwd.backward and bwd.padded and not bwd.ragged, "the backward is the dense graph on the padded form"
     nb, sq, skv = fp8_packed.buckets(len(lens_q), max(lens_q), max(lens_kv or lens_q))
-    assert (fwd.q.dims, fwd.k.dims[2]) == ((nb, 4, sq, 128), skv), "B and S_max bucketed"
+    assert (fwd.q.dims, fwd.k.dims[2]) == ((len(lens_q), 4, sq, 128), skv), "B as given, S_max bucketed"
+    assert nb == len(lens_q)
     assert (bwd.q.dims, bwd.k.dims) == (fwd.q.dims, fwd.k.dims), "the backward at the forward's buckets"
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_the_padded_backward_runs_the_reference_with_the_known_issue(served, heads):
+    """cuDNN 9.19's FP8 backward with a padding mask gave wrong dK/dV on sm_90 (run 65): the packed
+    backward, a padded dense one, runs the FP8 reference with ``cudnn_known_issue``; the forward stays
+    on cuDNN."""
+    lens = [7, 3, 12, 1]
+    q, k, v, go = inputs(lens, None, *heads, d=128, dtype=torch.bfloat16, seed=12)
+    before = counters.stats()
+    got = run(q, k, v, go, lens, causal=True)
+    assert delta(before) == {"fp8_fwd": {"served": 1, "fallback": {}},
+                             "fp8_bwd": {"served": 0, "fallback": {"cudnn_known_issue": 1}}}
+    assert_matches(got, q, k, v, go, lens, lens, True)
+    assert [g.key.backward for g in served] == [False], "no backward graph built"
+
+
+def test_a_zero_length_sequence_never_reaches_the_graphs(served):
+    """cuDNN 9.19's FP8 graphs fault (illegal instruction) or hang on a zero-length sequence (run 65):
+    the lengths are read first (one host sync) and such a call runs the reference, a user's own empty
+    sequence as well as the zero lengths bad cu_seqlens become."""
+    lens = [6, 0, 9]
+    q, k, v, go = inputs(lens, d=128, seed=13)
+    before = counters.stats()
+    got = run(q, k, v, go, lens, causal=True)
+    assert delta(before) == {"fp8_fwd": {"served": 0, "fallback": {"cudnn_known_issue": 1}},
+                             "fp8_bwd": {"served": 0, "fallback": {"cudnn_known_issue": 1}}}
+    assert_matches(got, q, k, v, go, lens, lens, True)
+    assert not served, "no graph ran"
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
@@ -168,18 +213,20 @@ def test_inference_forward_asks_no_lse(served):
 # ------------------------------------------------------------------------------ graph reuse
 
 
-def test_new_batches_inside_a_bucket_build_no_graph(served):
-    """B rounded up to a power of 2, S_max too: 3 or 4 sequences of up to 16 tokens share one
-    forward and one backward graph; the token count is never part of a key."""
-    for lens in ([7, 3, 12], [16, 1, 5, 9], [9, 10, 11, 12]):
+def test_new_lengths_inside_a_bucket_build_no_graph(padded_backward_row_lifted):
+    """S_max rounded up to a power of 2: batches of 4 sequences of up to 16 tokens share one forward
+    and one backward graph; the token count is never part of a key. B is not rounded up (a bucket's
+    extra sequences would be empty, which cuDNN's FP8 graphs fault on): a new batch size builds."""
+    served = padded_backward_row_lifted
+    for lens in ([7, 3, 12, 2], [16, 1, 5, 9], [9, 10, 11, 12]):
         q, k, v, go = inputs(lens, d=128, seed=sum(lens))
         assert_matches(run(q, k, v, go, lens, causal=True), q, k, v, go, lens, lens, True)
     assert fake_cudnn.FakeGraph.builds == 2, [g.key for g in served]
-    for lens, builds in (([2, 15], 4), ([20, 3], 6), ([1, 16], 6)):  # B 2, S 16; then S 32: new buckets
+    for lens, builds in (([2, 15], 4), ([20, 3], 6), ([1, 16], 6), ([4, 5, 6], 8)):  # B 2, S 16; S 32; B 3
         q, k, v, go = inputs(lens, d=128, seed=sum(lens))
         run(q, k, v, go, lens, causal=True)
         assert fake_cudnn.FakeGraph.builds == builds, lens
-    assert {g.key.q.dims[:3] for g in served} == {(4, 4, 16), (2, 4, 16), (2, 4, 32)}
+    assert {g.key.q.dims[:3] for g in served} == {(4, 4, 16), (2, 4, 16), (2, 4, 32), (3, 4, 8)}
 
 
 # --------------------------------------------------------------------------- fallbacks, strict
@@ -220,7 +267,7 @@ def test_before_hopper_both_passes_fall_back_with_compute_capability(served, mon
     assert not served
 
 
-def test_a_graph_cudnn_refuses_falls_back_with_graph_not_supported(served, monkeypatch):
+def test_a_graph_cudnn_refuses_falls_back_with_graph_not_supported(padded_backward_row_lifted, monkeypatch):
     real = graphs._build
 
     def build(key, handle):
@@ -418,3 +465,50 @@ def test_int64_cu_seqlens_are_taken_as_csp_attention_takes_them():
     q, k, v, go = inputs(LENS_OK, seed=14)
     out = fp8.attention(q, k, v, cu_seqlens_q=cu(LENS_OK).long(), max_seqlen_q=12, max_seqlen_kv=12)
     assert out.shape == q.shape
+
+
+# --------------------------------------------------------------- dense padded calls, same rows
+
+
+@pytest.mark.parametrize("lens", [([5, 16], [5, 16]), ([5, 0], [5, 7]), ([5, 16], [0, 16])],
+                         ids=["no_empty", "empty_q", "empty_kv"])
+def test_a_dense_padded_forward_reads_its_lengths_and_sends_an_empty_one_to_the_reference(served, monkeypatch,
+                                                                                         lens):
+    from tests.test_fp8 import fp8_case
+
+    monkeypatch.setitem(fp8_ops._KERNELS["fwd"], "cpu", fp8_ops._fp8_fwd_cuda)
+    a = fp8_case(4, 2, 16, 16, d=128, seed=60, lens=lens)
+    before = counters.stats()
+    res = fp8.forward(**a, is_causal=True, return_lse=True)
+    empty = 0 in lens[0] or 0 in lens[1]
+    want = {"served": 0, "fallback": {"cudnn_known_issue": 1}} if empty else {"served": 1, "fallback": {}}
+    assert delta(before) == {"fp8_fwd": want}
+    assert [g.key.padded for g in served] == ([] if empty else [True])
+    assert torch.isfinite(res.out.float()).all()
+
+
+def test_the_dense_padded_backward_runs_the_reference_with_the_known_issue(served, monkeypatch):
+    from tests.test_fp8 import fp8_case
+
+    monkeypatch.setitem(fp8_ops._KERNELS["fwd"], "cpu", fp8_ops._fp8_fwd_cuda)
+    a = fp8_case(4, 4, 16, 16, d=128, seed=61, lens=([9, 16], [9, 16]))
+    res = fp8.forward(**a, is_causal=True, return_lse=True)
+    g8, ddo = fp8.quantize(torch.randn(2, 4, 16, 128, generator=torch.Generator().manual_seed(62)))
+    one = torch.ones(1)
+    before = counters.stats()
+    grads = fp8.backward(g8, a["q"], a["k"], a["v"], res.out, res.lse, descale_q=a["descale_q"],
+                         descale_k=a["descale_k"], descale_v=a["descale_v"], descale_o=1 / a["scale_o"],
+                         descale_do=ddo, scale_dq=one, scale_dk=one, scale_dv=one, scale_dp=one * 256,
+                         is_causal=True, seq_lens_q=a["seq_lens_q"], seq_lens_kv=a["seq_lens_kv"])
+    assert delta(before) == {"fp8_bwd": {"served": 0, "fallback": {"cudnn_known_issue": 1}}}
+    assert [g.key.backward for g in served] == [False], "no backward graph built"
+    assert all(torch.isfinite(t.float()).all() for t in (grads.dq, grads.dk, grads.dv))
+
+
+def test_the_engine_amax_outputs_start_at_zero_on_16_byte_rows():
+    """cuDNN's FP8 graphs fold into their amax buffers (stale memory gave wrong amax on the GPU, run 65)."""
+    from cudnn_sdpa_provider.engine import fp8_cudnn
+
+    bufs = fp8_cudnn._amax_buffers(4, torch.device("cpu"))
+    assert all(b.shape == (1, 1, 1, 1) and b.item() == 0 and b.data_ptr() % 16 == 0 for b in bufs)
+    assert len({b.data_ptr() for b in bufs}) == 4

@@ -24,6 +24,7 @@ from tests import fake_cudnn
 
 H200 = support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, device_name="H200")
 B200 = dataclasses.replace(H200, compute_capability=(10, 0), device_name="B200")
+FP8 = (torch.float8_e4m3fn,) * 3
 BASE = support.Problem(kind="dense", backward=False, device_type="cuda", dtypes=(torch.bfloat16,) * 3, batch=2,
                        h_q=8, h_k=8, h_v=8, s_q=1024, s_kv=1024, d_qk=128, d_v=128)
 
@@ -34,7 +35,13 @@ CASES = {
     "NVIDIA/cudnn-frontend#1072": (dict(backward=True, batch=1, h_q=2, h_k=2, h_v=2, s_q=1, s_kv=128, d_qk=64, d_v=64),
                                    H200, 92500, 92499, 92700),
     "pytorch/pytorch#194927": (dict(s_q=1, s_kv=4096), B200, 91900, 91899, None),
+    "cudnn-sdpa-provider run 65 (FP8 padded backward)": (
+        dict(kind="fp8", backward=True, padded=True, h_k=2, h_v=2, batch=4, s_q=2048, s_kv=2048, dtypes=FP8),
+        H200, 91400, 91399, None),
+    "cudnn-sdpa-provider run 65 (FP8 zero-length sequence)": (
+        dict(kind="fp8", padded=True, empty_sequence=True, dtypes=FP8), H200, 91400, 91399, None),
 }
+FP8_ROWS = {issue for issue in CASES if issue.startswith("cudnn-sdpa-provider")}
 
 
 def _first(p, caps):
@@ -58,7 +65,10 @@ def test_each_row_falls_back_on_the_releases_it_covers_and_not_outside(issue):
     assert row.applies(p) and row.covers(first, gpu.compute_capability)
     assert not row.covers(before, gpu.compute_capability) and not (after and row.covers(after, gpu.compute_capability))
     below = 92499 if issue.endswith("#1071") else before  # 9.25.x: #1072 covers that backward too
-    assert _first(p, support.with_version(gpu, below)) is None, "served below the range"
+    if issue in FP8_ROWS:  # the rows start where FP8 SDPA does: below it, FP8's own version rule
+        assert _first(p, support.with_version(gpu, below)).slug == "cudnn_feature"
+    else:
+        assert _first(p, support.with_version(gpu, below)) is None, "served below the range"
     if after:
         assert _first(p, support.with_version(gpu, after)) is None, "served from the release that fixed it"
     assert support.known_issue(None, gpu.compute_capability, p) is None, "no version known: no gate"
@@ -83,6 +93,20 @@ def test_the_rows_cover_their_shape_family_and_no_more():
     assert "#194927" in _first(dataclasses.replace(decode, kind="varlen"), sm120).message
 
 
+def test_the_fp8_rows_cover_padded_backwards_and_empty_sequences_and_no_more():
+    v919 = H200
+    padded = dataclasses.replace(BASE, kind="fp8", backward=True, padded=True, h_k=2, h_v=2, dtypes=FP8)
+    for bwd in (padded, dataclasses.replace(padded, h_k=8, h_v=8)):
+        assert "FP8 padded backward" in _first(bwd, v919).message
+    for served in (dict(padded=False), dict(backward=False)):
+        assert _first(dataclasses.replace(padded, **served), v919) is None, served
+    empty = dataclasses.replace(BASE, kind="fp8", padded=True, empty_sequence=True, dtypes=FP8)
+    assert "zero-length" in _first(empty, v919).message
+    assert "padded backward" in _first(dataclasses.replace(empty, backward=True), v919).message  # the first row
+    assert _first(dataclasses.replace(empty, empty_sequence=False), v919) is None
+    assert _first(dataclasses.replace(empty, kind="dense", dtypes=(torch.bfloat16,) * 3), v919) is None
+
+
 def test_explain_lists_the_known_issue():
     q = torch.empty(1, 1, 1, 64, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 1, 128, 64, device="meta", dtype=torch.bfloat16)
@@ -95,13 +119,15 @@ def test_explain_lists_the_known_issue():
 
 
 def test_doctor_shows_the_rows_that_apply_to_this_machine(monkeypatch):
+    fp8_rows = [r.issue for r in support.KNOWN_ISSUES if r.issue in FP8_ROWS]
     rows = diagnostics.known_issue_rows(support.with_version(H200, 92600))
-    assert [r.label for r in rows] == ["NVIDIA/cudnn-frontend#1071", "NVIDIA/cudnn-frontend#1072"]
+    assert [r.label for r in rows] == ["NVIDIA/cudnn-frontend#1071", "NVIDIA/cudnn-frontend#1072"] + fp8_rows
     assert all(r.section == "known issues" and "cudnn_known_issue" in r.value for r in rows)
     rows = diagnostics.known_issue_rows(support.with_version(B200, 92801))
-    assert [r.label for r in rows] == ["NVIDIA/cudnn-frontend#1071", "pytorch/pytorch#194927"]
-    (none,) = diagnostics.known_issue_rows(H200)
-    assert none.ok is True and "9.19.0" in none.value and "sm_90" in none.value
+    assert [r.label for r in rows] == ["NVIDIA/cudnn-frontend#1071", "pytorch/pytorch#194927"] + fp8_rows
+    assert [r.label for r in diagnostics.known_issue_rows(H200)] == fp8_rows
+    (none,) = diagnostics.known_issue_rows(dataclasses.replace(H200, compute_capability=(8, 0)))
+    assert none.ok is True and "9.19.0" in none.value and "sm_80" in none.value
     (cpu,) = diagnostics.known_issue_rows(support.Capabilities(cuda=False))
     assert cpu.ok is None and cpu.value.startswith("skipped")
 
@@ -115,8 +141,11 @@ def test_doctor_shows_the_rows_that_apply_to_this_machine(monkeypatch):
 
 
 def test_applicable_is_what_the_table_says():
-    assert known_issues.applicable(91900, (9, 0)) == []
-    assert [r.issue for r in known_issues.applicable(91900, (10, 0))] == ["pytorch/pytorch#194927"]
+    fp8_rows = sorted(FP8_ROWS)
+    assert known_issues.applicable(91900, (8, 0)) == []
+    assert sorted(r.issue for r in known_issues.applicable(91900, (9, 0))) == fp8_rows
+    assert sorted(r.issue for r in known_issues.applicable(91900, (10, 0))) == sorted(["pytorch/pytorch#194927"] + fp8_rows)
+    assert known_issues.applicable(91300, (9, 0)) == []
 
 
 # ------------------------------------------------------------------------------ the graph built

@@ -1,6 +1,6 @@
-"""Known-bad cuDNN configurations: what a cuDNN release is publicly known to crash on or compute
-wrong, as data. The provider never sends such a graph to cuDNN; the call falls back with
-``cudnn_known_issue``.
+"""Known-bad cuDNN configurations: what a cuDNN release is publicly known (an issue) or measured by
+this project (a GPU run in results/) to crash on or compute wrong, as data. The provider never
+sends such a graph to cuDNN; the call falls back with ``cudnn_known_issue``.
 
 ``known_issue(cudnn_version, compute_capability, problem)`` is the one predicate, evaluated twice:
 on the user's call (``support.reasons``: the counters, ``explain()``, the doctor) and on the graph
@@ -27,7 +27,7 @@ __all__ = ["KnownIssue", "KNOWN_ISSUES", "known_issue", "applicable"]
 
 @dataclass(frozen=True)
 class KnownIssue:
-    issue: str  # the public reference, "owner/repo#number"
+    issue: str  # the public reference, "owner/repo#number", or this project's GPU run in results/
     first: int  # first affected cuDNN (cuDNN's encoding, 92600 = 9.26.0)
     fixed: int | None  # first release known to be fixed; None: none known
     summary: str  # what goes wrong
@@ -81,6 +81,26 @@ def _decode_forward(p) -> bool:
     return not p.backward and p.s_q == 1
 
 
+def _fp8_padded_backward(p) -> bool:
+    # Measured on an H100 with cuDNN 9.19 (this project's runs 64-65, results/gpu-run65-fp8-diag.jsonl),
+    # B 4, H 8, S 2048, lengths 1000/517/2048/77, causal, dense and packed alike:
+    # - H_q != H_k (8/2): dK 43-64% off (of max |dK|) in a fresh process; dQ, dV and the
+    #   full-length sequence within bounds; B 2 at lengths 1000/517 in S 1024 within bounds;
+    # - H_q == H_k: within bounds in a fresh process, but dK 21-50% and dV up to 31% off once the
+    #   allocator's small-block pool held stale values (1e30, or what earlier tests left), still
+    #   21-26% with the amax outputs and the workspace zeroed.
+    # What the kernel reads is not known: every padded FP8 backward is kept off cuDNN.
+    return p.kind == "fp8" and p.backward and p.padded
+
+
+def _fp8_empty_sequence(p) -> bool:
+    # Measured on an H100 with cuDNN 9.19 (run 65): a padded FP8 call with a zero-length sequence
+    # faulted in the packed forward (cudaErrorIllegalInstruction: the CUDA context is lost) and hung
+    # the dense forward past 120 s. The lengths are data: the FP8 ops read them (one host sync a
+    # padded call) and set ``empty_sequence`` on the call's problem.
+    return p.kind == "fp8" and p.padded and p.empty_sequence
+
+
 #: The table (docs/support.md lists it; ``cudnn-sdpa doctor`` shows the rows that apply to its machine).
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue("NVIDIA/cudnn-frontend#1071", 92600, None,
@@ -94,6 +114,15 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue("pytorch/pytorch#194927", 91900, None,
                "cuDNN SDPA decode corrupts generation on Blackwell (pytorch#193893)",
                "a forward with S_q == 1 on sm_100 or newer", _decode_forward, min_cc=(10, 0)),
+    KnownIssue("cudnn-sdpa-provider run 65 (FP8 padded backward)", 91400, None,
+               "FP8 SDPA backward with a padding mask returns wrong dK/dV",
+               "an FP8 backward with seq_lens (or packed); measured at B 4, H 8 and 8/2, S 2048, causal, sm_90, "
+               "cuDNN 9.19 (GQA always; without GQA after earlier work left stale device memory)",
+               _fp8_padded_backward, min_cc=(9, 0)),
+    KnownIssue("cudnn-sdpa-provider run 65 (FP8 zero-length sequence)", 91400, None,
+               "FP8 SDPA with a zero-length sequence faults (illegal instruction) or hangs",
+               "an FP8 call with seq_lens (or packed) where a length is 0; measured on sm_90, cuDNN 9.19",
+               _fp8_empty_sequence, min_cc=(9, 0)),
 )
 
 

@@ -104,6 +104,7 @@ class Problem:
     padded: bool = False
     deterministic: bool = False
     empty: bool = False
+    empty_sequence: bool = False  # kind "fp8", padded: a sequence of no tokens (a length <= 0) in this call
     ragged_extent: int = 0  # varlen: largest packed extent * token stride (elements)
     recompute: bool = False
     paged: bool = False

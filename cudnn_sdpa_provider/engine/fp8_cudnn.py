@@ -40,7 +40,12 @@ def _factor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _amax_buffers(n: int, device) -> list:
-    return [torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device) for _ in range(n)]
+    """``n`` amax outputs starting at 0, one 16-byte row each of one zeroed tensor: cuDNN's FP8
+    graphs fold into these buffers rather than overwrite them (stale values in the allocator's
+    small-block pool gave wrong amax and, through the recipe's re-runs, wrong gradients on sm_90,
+    cuDNN 9.19: results/gpu-run65-fp8-diag.jsonl)."""
+    rows = torch.zeros((n, 4), dtype=torch.float32, device=device)
+    return [rows[i, :1].view(1, 1, 1, 1) for i in range(n)]
 
 
 def _lengths(seq_len_q, seq_len_kv, s_q, s_kv):

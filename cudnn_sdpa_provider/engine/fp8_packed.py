@@ -3,25 +3,28 @@
 Declared as ``packed`` declares the bf16 ragged graphs: each operand a nominal (B, H, S_max, D)
 tensor with token-major strides, each sequence found by a ragged offset (cu_seqlens x token stride,
 in elements) and read for its own length only (the lengths are the padding mask); S_max is
-max_seqlen rounded up to a power of two and B the number of sequences rounded up to one
-(``packed.seqlen_bucket`` / ``batch_bucket``; the sequences a bucket adds are empty), so a new batch
-inside a bucket runs the graph already built. The graph keys on heads, head dims, the buckets,
+max_seqlen rounded up to a power of two (``packed.seqlen_bucket``), so a new max_seqlen inside a
+bucket runs the graph already built. B is the number of sequences itself, not rounded up as the
+bf16 graphs' is: a bucket's extra sequences would be empty, and cuDNN 9.19's FP8 graphs fault on a
+zero-length sequence (``core.known_issues``). The graph keys on heads, head dims, B, the S buckets,
 whether the LSE is asked for, the scale and the causal flag, never on the token count.
 
 cuDNN 9.19 serves this forward on sm_90 (results/gpu-run57-fp8-varlen-probe.json: within the dense
 FP8 bounds causal, non-causal, GQA, d64, and nothing written past the last sequence) but refuses
 the THD FP8 backward there ("sdpa fp8 backward with THD is not supported on Hopper architecture"):
-``ops.fp8_varlen`` runs the backward on the padded form instead.
+``ops.fp8_varlen`` runs the backward on the padded form instead (on the FP8 reference: cuDNN's
+padded FP8 backward is a known issue, ``core.known_issues``).
 
 Like ``fp8_cudnn``, this runs on CUDA tensors and never decides a fallback. Operands must be
 contiguous float8_e4m3fn (T, H, D) (others are copied first); out (T_q, H_q, D_v) float8_e4m3fn,
-lse (T_q, H_q) fp32 token-major, amax (2,) [s, o]. Lengths are never read on the host: cu_seqlens
-that do not start at 0, decrease, run past the tokens or hold a sequence longer than its
-max_seqlen (with ``whole``, also: end anywhere but at the packed tokens, as ``csp.fp8.attention``
-requires, its scales coming from the whole tensors) reach cuDNN as zero lengths and the outputs are
-NaN (``packed._Lengths``). Rows past
-cu_seqlens_q[-1] are never written by cuDNN: they keep the fill (0), or a caller's ``out`` / ``lse``
-buffer's contents.
+lse (T_q, H_q) fp32 token-major, amax (2,) [s, o]. Lengths are not read on the host here: the
+caller must send no zero-length sequence (``ops.fp8_varlen`` reads them first and runs the
+reference on such a call). cu_seqlens that do not start at 0, decrease, run past the tokens or hold
+a sequence longer than its max_seqlen (with ``whole``, also: end anywhere but at the packed tokens,
+as ``csp.fp8.attention`` requires, its scales coming from the whole tensors) become zero lengths
+(``packed._Lengths``), so the op sends those to the reference too, whose outputs are then NaN.
+Rows past cu_seqlens_q[-1] are never written by cuDNN: they keep the fill (0), or a caller's
+``out`` / ``lse`` buffer's contents.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ..core import layout
 from .binding import Binding
 from .fp8_cudnn import _constant  # one cache of the graphs' constant factors
 from .graphs import UID, Fp8Key
-from .packed import _Lengths, _key, _lse_desc, _ragged, _token_stride, batch_bucket, seqlen_bucket
+from .packed import _Lengths, _key, _lse_desc, _ragged, _token_stride, seqlen_bucket
 
 __all__ = ["forward", "buckets"]
 
@@ -43,8 +46,8 @@ _NAN = 0x7F  # float8_e4m3fn NaN
 
 def buckets(batch: int, max_q: int, max_kv: int) -> tuple[int, int, int]:
     """(declared B, S_q, S_kv): the graph's dims for ``batch`` sequences of at most ``max_q`` /
-    ``max_kv`` tokens (``ops.fp8_varlen`` pads the backward to the same dims)."""
-    return batch_bucket(batch), seqlen_bucket(max_q), seqlen_bucket(max_kv)
+    ``max_kv`` tokens (``ops.fp8_varlen`` pads the backward to the same dims): B as given, S bucketed."""
+    return batch, seqlen_bucket(max_q), seqlen_bucket(max_kv)
 
 
 def _factor(t: torch.Tensor) -> torch.Tensor:

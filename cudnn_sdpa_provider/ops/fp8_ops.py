@@ -25,10 +25,16 @@ the history), takes its scales from it (slots 4-7: amax per unit of the operands
 ``_predicted``), runs once and records this call's amax, with no host sync; a call whose scale
 clipped is counted, not re-run. Those scales and books are ``_grad_scales`` / ``_grad_books`` in
 aten ops, or their single-program Triton twins (``fp8_grad_triton``) where ``fp8_quant.grouped``.
+
+A padded call (``seq_len_q`` / ``seq_len_kv``) that cuDNN would serve first reads its lengths (one
+host sync, ``empty_sequence``): cuDNN faults or hangs on a zero-length sequence, so such a call runs
+the reference with ``cudnn_known_issue`` (``core.known_issues``). A padded backward runs the
+reference on cuDNN 9.14+ (sm_90+) anyway: the same table's padded-backward row (wrong dK/dV).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections import OrderedDict
@@ -97,9 +103,26 @@ def problem(q, k, v, padded: bool, backward: bool, grad_dtype=None) -> support.P
         padded=padded, empty=q.numel() == 0 or k.numel() == 0 or v.numel() == 0)
 
 
-def _entry(kind, q, k, v, padded, causal, grad_dtype=None) -> route.Entry:
+def _entry(kind, q, k, v, padded, causal, grad_dtype=None, lengths=None) -> route.Entry:
+    """The call's route entry; for a padded call (``lengths`` its (seq_len_q, seq_len_kv)) that cuDNN
+    would serve, the lengths are read first (``empty_sequence``)."""
     signature = (kind, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), padded, causal, grad_dtype)
-    return route.entry(signature, lambda: problem(q, k, v, padded, kind == "op_fp8_bwd", grad_dtype), q.device.index)
+    make = lambda: problem(q, k, v, padded, kind == "op_fp8_bwd", grad_dtype)  # noqa: E731
+    found = route.entry(signature, make, q.device.index)
+    if lengths is not None and found.first is None and empty_sequence(*lengths):
+        found = route.entry(signature + ("empty_sequence",),
+                            lambda: dataclasses.replace(make(), empty_sequence=True), q.device.index)
+    return found
+
+
+def empty_sequence(len_q: Tensor, len_kv: Tensor) -> bool:
+    """Whether a padded FP8 call has a sequence of no tokens (a length <= 0): cuDNN faults or hangs on
+    it (``known_issues``, the zero-length row), so such a call runs the reference. One host sync:
+    the lengths are data. During a CUDA graph capture nothing can be read: True, so a captured
+    padded call never reaches cuDNN with lengths nobody checked."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    return bool(((len_q <= 0).any() | (len_kv <= 0).any()).item())
 
 
 def _describe(q, k, v, causal):
@@ -134,7 +157,8 @@ def _fp8_fwd_cuda(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FP8 attention forward: (out float8_e4m3fn (B, H_q, S_q, D_v), lse (B, H_q, S_q, 1) fp32 or (0,),
     amax (2,) fp32 [softmax probability, |out|])."""
-    found = _entry("op_fp8_fwd", q, k, v, seq_len_q is not None, is_causal)
+    found = _entry("op_fp8_fwd", q, k, v, seq_len_q is not None, is_causal,
+                   lengths=None if seq_len_q is None else (seq_len_q, seq_len_kv))
     return _fwd(found, q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, seq_len_kv, scale, scale_s,
                 is_causal, compute_lse, fallback)
 
@@ -317,7 +341,8 @@ def _fp8_bwd_cuda(
     fallback: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """FP8 attention backward: (dq, dk, dv float8_e4m3fn, the scales used (4,) [dq, dk, dv, ds], amax (4,))."""
-    found = _entry("op_fp8_bwd", q, k, v, seq_len_q is not None, is_causal, grad_out.dtype)
+    found = _entry("op_fp8_bwd", q, k, v, seq_len_q is not None, is_causal, grad_out.dtype,
+                   None if seq_len_q is None else (seq_len_q, seq_len_kv))
     return _bwd(found, grad_out, q, k, v, out, lse, (descale_q, descale_k, descale_v, descale_o, descale_do), scales,
                 recipe, seq_len_q, seq_len_kv, scale, scale_s, margin, is_causal, fallback)
 

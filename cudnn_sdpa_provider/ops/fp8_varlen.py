@@ -5,24 +5,29 @@ with a reason, the FP8 reference (``fp8_reference``) on the padded form; CPU ker
 the reference (reason ``no_cuda``).
 
 Backward (path ``fp8_bwd``): cuDNN has no packed FP8 backward on Hopper (9.19 refuses it: "sdpa
-fp8 backward with THD is not supported on Hopper architecture", results/gpu-run57-fp8-varlen-probe.json),
-while its dense FP8 backward with a padding mask runs within the FP8 bounds on the same sequences
-(the probe's padded control). So the backward places the packed FP8 q, k, v, O, dO and the LSE in
-the padded (B, H, S_max, D) form at the forward graph's buckets (``fp8_packed.buckets``: one
-backward graph per bucket, as the forward), runs ``fp8_ops``'s dense backward with the lengths as
-its padding mask (served, re-run and counted exactly as a dense padded call: the recipe's gradient
-scales, its reasons, strict mode), and gathers dq, dk, dv back to (T, H, D). The price is memory and
-two gathers: the padded tensors hold B x S_max rows instead of T. Where cuDNN does not serve the
-dense backward either (head dim != 128 on sm_90, older GPUs), the same padded call runs on the FP8
-reference with that reason.
+fp8 backward with THD is not supported on Hopper architecture", results/gpu-run57-fp8-varlen-probe.json).
+So the backward places the packed FP8 q, k, v, O, dO and the LSE in the padded (B, H, S_max, D)
+form at the forward graph's dims (``fp8_packed.buckets``), hands them to ``fp8_ops``'s dense
+backward op with the lengths as its padding mask (decided, re-run and counted exactly as a dense
+padded call: the recipe's gradient scales, its reasons, strict mode), and gathers dq, dk, dv back
+to (T, H, D). The price is memory and two gathers: the padded tensors hold B x S_max rows instead
+of T. On cuDNN 9.14+ on sm_90+ that op runs the FP8 reference (``cudnn_known_issue``): cuDNN 9.19's
+FP8 backward with a padding mask gave wrong dK/dV (``core.known_issues``, run 65). Its served route,
+the dense FP8 graph on the padded form, is kept (CPU-tested) for a release the table stops covering.
 
-Placement: token t of sequence b sits at (b, t - cu[b]); the sequences a bucket adds are empty.
-Every index stays in range whatever cu_seqlens holds; out-of-range cu_seqlens (unchecked on the GPU),
-or ones that end short of the packed tokens, give zero lengths and NaN outputs and gradients
-(``packed._Lengths``, ``whole``).
+Placement: token t of sequence b sits at (b, t - cu[b]). Every index stays in range whatever
+cu_seqlens holds; out-of-range cu_seqlens, or ones that end short of the packed tokens, give zero
+lengths and NaN outputs and gradients (``packed._Lengths``, ``whole``).
+
+Zero lengths never reach cuDNN: its FP8 graphs fault or hang on them (cuDNN 9.19, sm_90;
+``core.known_issues``). The forward reads the lengths first (one host sync a call,
+``fp8_ops.empty_sequence``) and runs the reference on a call with an empty sequence, a user's own
+or one that bad cu_seqlens make (``cudnn_known_issue``); the backward's dense op does the same.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -99,7 +104,7 @@ class Placement:
 def problem(q, k, v, cu_q, max_q: int, max_kv: int) -> support.Problem:
     """The packed forward as a ``support.Problem`` (kind "fp8"; the backward is a dense padded one)."""
     return support.Problem(
-        kind="fp8", backward=False, device_type=q.device.type, dtypes=(q.dtype, k.dtype, v.dtype),
+        kind="fp8", backward=False, device_type=q.device.type, dtypes=(q.dtype, k.dtype, v.dtype), padded=True,
         batch=cu_q.shape[0] - 1, h_q=q.shape[1], h_k=k.shape[1], h_v=v.shape[1], s_q=int(max_q), s_kv=int(max_kv),
         d_qk=q.shape[2], d_v=v.shape[2], empty=q.numel() == 0 or k.numel() == 0 or v.numel() == 0,
         ragged_extent=route._extent(q, k, v))
@@ -153,8 +158,14 @@ def _fp8_varlen_fwd_cuda(
     """FP8 varlen forward: (out float8_e4m3fn (T_q, H_q, D_v), lse (T_q, H_q) fp32 or (0,), amax (2,) [s, o])."""
     signature = ("op_fp8_varlen_fwd", q.device.index, route.varlen_key(q, k, v), cu_seqlens_q.shape[0],
                  max_seqlen_q, max_seqlen_kv, is_causal)
-    found = route.entry(signature, lambda: problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv),
-                        q.device.index)
+    make = lambda: problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv)  # noqa: E731
+    found = route.entry(signature, make, q.device.index)
+    if found.first is None:
+        n = _Lengths(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], max_seqlen_q,
+                     max_seqlen_kv, whole=True)
+        if fp8_ops.empty_sequence(n.len_q, n.len_kv):  # out-of-range cu_seqlens give zero lengths too
+            found = route.entry(signature + ("empty_sequence",),
+                                lambda: dataclasses.replace(make(), empty_sequence=True), q.device.index)
     return _fwd(found, q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
                 max_seqlen_kv, scale, scale_s, is_causal, compute_lse, fallback)
 

@@ -346,8 +346,10 @@ def _known_issues_section() -> list[str]:
     rows = [(i.issue.replace("#", " #"), i.versions, f"sm_{i.min_cc[0]}{i.min_cc[1]} and newer" if i.min_cc else "any",
              i.where, i.summary) for i in support.KNOWN_ISSUES]
     return ["## Known-bad cuDNN configurations", "",
-            "`support.KNOWN_ISSUES`: configurations a cuDNN release is publicly known to crash on or compute wrong. "
-            "A call they cover falls back with `cudnn_known_issue` (rule above) to the aten composite, not to "
+            "`support.KNOWN_ISSUES`: configurations a cuDNN release is publicly known (an issue) or measured by "
+            "this project (a GPU run recorded in results/) to crash on or compute wrong. "
+            "A call they cover falls back with `cudnn_known_issue` (rule above) to the aten composite (FP8: the FP8 "
+            "reference), not to "
             "PyTorch's cuDNN kernel, which runs on the same cuDNN; and so does a call whose graph "
             "they cover: `graphs.plan` checks each graph key's own dims before cuDNN sees it (a bucketed packed "
             "graph is built for a longer S than its call's). Where an issue's reach is unclear a row covers more "

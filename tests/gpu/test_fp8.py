@@ -126,7 +126,9 @@ def test_fp8_forward_and_backward_served_and_within_fp8_bounds(name, shape, kw):
                              descale_o=1 / scale_o, descale_do=ddo, scale_dq=scales[0], scale_dk=scales[1],
                              scale_dv=scales[2], scale_dp=scale_dp, **kw, **lens)
     torch.cuda.synchronize()
-    assert (counters.stats() - before).to_dict()["fp8_bwd"] == {"served": 1, "fallback": {}}
+    # a padded backward runs the reference: the known-issues row (wrong dK/dV on cuDNN 9.19, sm_90, run 65)
+    want = {"served": 0, "fallback": {"cudnn_known_issue": 1}} if lengths is not None else {"served": 1, "fallback": {}}
+    assert (counters.stats() - before).to_dict()["fp8_bwd"] == want
     errs = []
     for label, g8, sc, ref in zip(("dq", "dk", "dv"), (grads.dq, grads.dk, grads.dv), scales, refs):
         got = g8.float() / sc

@@ -1,8 +1,9 @@
-"""GPU tier: FP8 attention on packed (varlen) inputs served on cuDNN (Hopper and newer).
+"""GPU tier: FP8 attention on packed (varlen) inputs (Hopper and newer).
 
-The forward is cuDNN's packed FP8 graph (``engine.fp8_packed``); the backward cuDNN's dense FP8
-graph on the padded form (``ops.fp8_varlen``: cuDNN 9.19 refuses the THD FP8 backward on Hopper,
-results/gpu-run57-fp8-varlen-probe.json). Errors are max |got - ref| / max |ref| of each tensor,
+The forward is cuDNN's packed FP8 graph (``engine.fp8_packed``); the backward the dense FP8 op on
+the padded form (``ops.fp8_varlen``: cuDNN 9.19 refuses the THD FP8 backward on Hopper), which runs
+the FP8 reference there (the known-issues row: cuDNN's padded FP8 backward gave wrong dK/dV, run 65).
+A zero-length sequence must never reach cuDNN (it faulted the context, run 65). Errors are max |got - ref| / max |ref| of each tensor,
 against fp32 attention computed sequence by sequence, at tests/gpu/test_fp8.py's bounds: on the
 dequantised FP8 operands for the engine (FWD_VS_FP32), from bf16 activations for
 ``csp.fp8.attention`` (E2E_VS_FP32, E2E_GRAD_VS_FP32). Rows past the last sequence carry NaN
@@ -24,6 +25,9 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 LENS = (1000, 517, 2048, 77)
 TAIL = 64  # canary rows past the last sequence
+# Non-causal output from bf16 activations: dense csp.fp8.attention on (1, 8, S, 128) randn measured
+# 0.0919 (S 1024) and 0.0815 (S 2048) against fp32 (run 65); E2E_VS_FP32 is the causal bound
+E2E_NON_CAUSAL_VS_FP32 = 0.11
 NAN_BYTE = 0x7F
 CASES = {
     "causal": dict(h=8, hk=8, causal=True),
@@ -75,7 +79,7 @@ def test_the_packed_fp8_forward_runs_on_cudnn_within_fp8_bounds_and_writes_no_ca
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("lens", [LENS, (1000, 517, 77)], ids=["b4", "b3_bucket_adds_an_empty_sequence"])
+@pytest.mark.parametrize("lens", [LENS, (1000, 517, 77)], ids=["b4", "b3"])
 def test_attention_from_bf16_forward_and_backward_served(name, lens, scaling):
     c, t = CASES[name], sum(lens)
     gen = torch.Generator(device=DEV).manual_seed(1)
@@ -87,23 +91,60 @@ def test_attention_from_bf16_forward_and_backward_served(name, lens, scaling):
     for _ in range(2):  # the second call: a warm recipe (delayed: scales from the history)
         for x in (q, k, v):
             x.grad = None
+        _stale_small_pool()  # run 64-65: stale small blocks made dK/dV wrong
         out = csp.fp8.attention(q, k, v, cu_seqlens_q=_cu(lens), max_seqlen_q=max(lens), max_seqlen_kv=max(lens),
                                 is_causal=c["causal"], recipe=recipe)
         out.backward(go)
     delta = (counters.stats() - before).to_dict()
-    assert delta["fp8_fwd"] == {"served": 2, "fallback": {}} and delta["fp8_bwd"] == {"served": 2, "fallback": {}}
+    assert delta["fp8_fwd"] == {"served": 2, "fallback": {}}
+    # the padded backward: the known-issues row (wrong dK/dV on cuDNN 9.19, sm_90) sends it to the reference
+    assert delta["fp8_bwd"] == {"served": 0, "fallback": {"cudnn_known_issue": 2}}
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
     want = _fp32_per_sequence(*leaves, lens, c["causal"])
     want.backward(go.float())
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     e_out = _rel(out, want)
     e_grads = [_rel(x.grad, r.grad) for x, r in zip((q, k, v), leaves)]
-    assert e_out <= E2E_VS_FP32 and max(e_grads) <= E2E_GRAD_VS_FP32, (e_out, e_grads)
+    bound = E2E_VS_FP32 if c["causal"] else E2E_NON_CAUSAL_VS_FP32
+    assert e_out <= bound and max(e_grads) <= E2E_GRAD_VS_FP32, (e_out, e_grads)
     if scaling == "delayed":
         assert recipe.saturated == 0, "a delayed scale clipped"
 
 
-def test_a_new_batch_inside_the_bucket_builds_no_graph():
+def _stale_small_pool():
+    """Leave the caching allocator's small-block pool holding 1e30: a small output or workspace a
+    kernel reads before writing (amax, counters) then shows it instead of a fresh process's zeros."""
+    junk = [torch.full((128,), 1e30, device=DEV) for _ in range(4096)]
+    del junk
+
+
+@pytest.mark.parametrize("where", ["user_empty_sequence", "bad_cu_seqlens"])
+def test_a_zero_length_sequence_runs_the_reference_never_cudnn(where):
+    """cuDNN 9.19's FP8 graphs fault (illegal instruction) or hang on a zero-length sequence: such a
+    call must run the reference, with the known-issues reason, and the process must go on."""
+    lens = (1000, 0, 517, 77)
+    t = sum(lens)
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    q, k, v = (torch.randn(t, 8, 128, device=DEV, generator=gen, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    cu = _cu(lens)
+    if where == "bad_cu_seqlens":
+        cu = torch.tensor([0, 1000, 900, 1517, t], device=DEV, dtype=torch.int32)  # decreasing
+    before = counters.stats()
+    out = csp.fp8.attention(q, k, v, cu_seqlens_q=cu, max_seqlen_q=1000, max_seqlen_kv=1000, is_causal=True)
+    out.sum().backward()
+    torch.cuda.synchronize()
+    delta = (counters.stats() - before).to_dict()
+    assert delta["fp8_fwd"] == {"served": 0, "fallback": {"cudnn_known_issue": 1}}
+    if where == "bad_cu_seqlens":
+        assert torch.isnan(out).all() and torch.isnan(q.grad).all()
+    else:
+        assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+        want = _fp32_per_sequence(*(x.detach().float() for x in (q, k, v)), lens, True)
+        assert _rel(out, want) <= E2E_VS_FP32
+
+
+def test_a_new_max_seqlen_inside_the_bucket_builds_no_graph():
     from cudnn_sdpa_provider.engine import graphs
 
     def step(lens, seed):
@@ -115,7 +156,7 @@ def test_a_new_batch_inside_the_bucket_builds_no_graph():
 
     step((1000, 517, 2048, 77), 2)
     built = graphs.cache_info()
-    step((1500, 1900, 33), 3)  # 3 sequences (bucket 4), longest 1900 (bucket 2048)
+    step((1500, 1900, 33, 700), 3)  # 4 sequences again (B is not bucketed), longest 1900 (bucket 2048)
     assert graphs.cache_info() == built
 
 
