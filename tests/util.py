@@ -44,11 +44,16 @@ def grad_tol(dtype, group: int = 1) -> float:
     return TOL[dtype] * GRAD_FACTOR * max(1.0, group**0.5)
 
 
-def poison_allocator(device, nbytes: int = 256 << 20) -> None:
-    """Fill the caching allocator's next blocks with NaN so an output a kernel forgot to write
-    shows up as NaN instead of a lucky zero."""
+def poison_allocator(device, nbytes: int = 256 << 20, small_blocks: int = 4096) -> None:
+    """Fill the caching allocator's next blocks with NaN so an output a kernel forgot to write, or a
+    buffer it reads before writing, shows up as NaN instead of a lucky zero: one large block of
+    ``nbytes``, and ``small_blocks`` 512-byte blocks of the small-block pool (allocations up to
+    1 MiB: amax outputs, lengths, small workspaces), which a large block never reaches. Runs 64-65
+    found cuDNN's FP8 backward folding into stale small blocks (results/gpu-run65-fp8-diag.jsonl)."""
     junk = torch.full((nbytes // 4,), float("nan"), device=device)
-    del junk
+    small = [torch.full((128,), float("nan"), device=device)
+             for _ in range(small_blocks if torch.device(device).type == "cuda" else 0)]
+    del junk, small
 
 
 def make_dense(b, h_q, h_k, h_v, s_q, s_kv, d_qk, d_v, dtype, device, order="bhsd", requires_grad=True, gen=None):
