@@ -16,7 +16,10 @@ Two levels:
   scales of dQ, dK, dV and dS, which cuDNN needs before it computes them, come from earlier
   backwards (``fp8_ops``): under current scaling checked after the call and re-run when an output
   would have saturated (no clipped gradient is returned, one host sync); under delayed scaling
-  predicted on the device and counted when they clip (no host sync). docs/fp8.md says exactly.
+  predicted on the device and counted when they clip (no host sync). A padded call (seq_lens or
+  packed) also reads its lengths once: a zero length, which cuDNN's FP8 graphs fault on, and every
+  padded backward (wrong on cuDNN 9.19) run the FP8 reference (``core.known_issues``). docs/fp8.md
+  says exactly.
 * ``forward`` / ``backward``: FP8 operands with the caller's own factors, returning what a scaling
   recipe needs (the amax values). Real value = stored value x descale; an output stored in FP8 is
   its real value x scale, saturated at 448 (float8_e4m3fn), as cuDNN stores it.

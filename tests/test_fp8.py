@@ -963,3 +963,29 @@ def test_a_recipe_dropped_from_the_registry_raises_naming_the_fix(monkeypatch):
     fp8.Recipe(), fp8.Recipe()  # two newer recipes push the call's out of a registry of 2
     with pytest.raises(RuntimeError, match="reuse one csp.fp8.Recipe per model or layer"):
         out.backward(go)
+
+
+@pytest.mark.parametrize("score_bytes", [1, 4 * 2 * 16 * 16 * 4, 2 * 8 * 16 * 16 * 4], ids=["one_head", "two_heads", "two_rows"])
+def test_the_reference_backward_in_slices_equals_the_whole(monkeypatch, score_bytes):
+    """A padded FP8 backward runs the reference (the known-issues row): sliced over batch rows and
+    KV heads to bound its score tensors, it must give the whole call's values (GQA 8/2, padded)."""
+    from cudnn_sdpa_provider.ops import fp8_reference
+
+    c = fp8_case(8, 2, 16, 16, d=32, b=3, seed=70, lens=([16, 9, 3], [16, 12, 3]))
+    g8, ddo = fp8.quantize(randn(3, 8, 16, 32, g=gen(71)))
+    out8, _, _ = fp8_reference.forward(c["q"], c["k"], c["v"], c["descale_q"], c["descale_k"], c["descale_v"],
+                                       c["scale_o"], c["seq_lens_q"], c["seq_lens_kv"], 32 ** -0.5, 256.0, True,
+                                       False)
+    args = (g8, c["q"], c["k"], c["v"], out8, (c["descale_q"], c["descale_k"], c["descale_v"], 1 / c["scale_o"], ddo),
+            torch.tensor([4.0, 4.0, 4.0, 256.0]), c["seq_lens_q"], c["seq_lens_kv"], 32 ** -0.5, 256.0, True,
+            (torch.float8_e4m3fn,) * 3)
+    whole = fp8_reference.backward(*args)
+    calls = []
+    real = fp8_reference._backward
+    monkeypatch.setattr(fp8_reference, "_backward", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(fp8_reference, "SCORE_BYTES", score_bytes)
+    sliced = fp8_reference.backward(*args)
+    assert len(calls) > 1 and all(s[0] * s[1] * s[2] * s[2] * 4 <= max(score_bytes, 4 * 16 * 16 * 4) for s in calls)
+    for a, b in zip(whole, sliced):
+        bits = (lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t)  # noqa: E731
+        assert torch.equal(bits(a), bits(b))

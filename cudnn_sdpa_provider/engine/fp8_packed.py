@@ -71,15 +71,17 @@ def _filled(n: _Lengths, buf: torch.Tensor | None, shape, dtype, device) -> torc
 
 def forward(q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int,
             max_seqlen_kv: int, *, scale: float, scale_s: float, causal: bool, compute_lse: bool, out=None,
-            lse=None, whole: bool = False):
+            lse=None, whole: bool = False, lengths=None):
     """cuDNN FP8 varlen forward: (out (T_q, H_q, D_v) FP8, lse (T_q, H_q) fp32 or an empty tensor,
     amax (2,) [s, o]). ``out`` / ``lse``: contiguous buffers of those shapes to write into (rows
-    outside the sequences keep their contents: the GPU tier's canaries)."""
+    outside the sequences keep their contents: the GPU tier's canaries). ``lengths``: the call's
+    ``packed._Lengths`` when the caller made them already (at this batch, with this ``whole``)."""
     nb, sq, skv = buckets(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_kv)
     signature = ("fp8_varlen_fwd", q.device.index, _key(q), _key(k), _key(v), nb, sq, skv, float(scale),
                  bool(causal), bool(compute_lse))
     found = bd.lookup(signature) or bd.store(signature, _bind(q, k, v, nb, sq, skv, scale, causal, compute_lse))
-    n = _Lengths(cu_seqlens_q, cu_seqlens_kv, nb, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, whole=whole)
+    n = lengths if lengths is not None else \
+        _Lengths(cu_seqlens_q, cu_seqlens_kv, nb, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, whole=whole)
     qr, kr, vr = (layout.packed_repaired(t) if fix else t for t, fix in zip((q, k, v), found.repair))
     t_q, h = q.shape[0], q.shape[1]
     o = _filled(n, out, (t_q, h, v.shape[2]), torch.float8_e4m3fn, q.device)

@@ -56,7 +56,7 @@ class Plan:
     label: str = ""  # describe(key), for telemetry
     default_index: int = 0  # the heuristic's plan (the graph's selected one when built)
     generation: int = 0  # clear_cache's count when its build began (a plan of an older one is never cached)
-    zero_workspace: bool = False  # the workspace starts at 0 each call (FP8 graphs: ``_build``)
+    zero_workspace: bool = False  # the workspace starts at 0 each call (FP8 graphs: ``plan``)
 
 
 def backend_info() -> tuple[str | None, int | None, str | None]:
@@ -180,6 +180,12 @@ def plan(key) -> Plan:
         _refuse_known_bad(key)  # before cuDNN sees the graph: some of these crash the process
         built = _build(key, _handle(key.device))
         built.generation = generation
+        # FP8 graphs get a zeroed workspace, a precaution: with stale memory in the allocator's
+        # small-block pool cuDNN 9.19's padded FP8 backward returned wrong dK/dV on sm_90 where a
+        # fresh process (memory at 0) did not, and zeroed amax outputs and a zeroed workspace
+        # together did not fully cure it (results/gpu-run65-fp8-diag.jsonl): those backwards run
+        # the reference (core.known_issues). Autotune's trial runs (``tuning``) are not zeroed.
+        built.zero_workspace = isinstance(key, Fp8Key)
     except NotSupportedError as exc:
         built = (exc.reason, exc.detail)  # remember rejections too: not rebuilt on every call
     counters.note_build(time.perf_counter() - started, rejected=isinstance(built, tuple))
@@ -484,10 +490,5 @@ def _build(key, handle) -> Plan:
         raise NotSupportedError("graph_not_supported", message) from None
     name = _plan_name(g)
     log.info("built cuDNN graph, plan %s, workspace %d bytes: %s", name, workspace, describe(key))
-    # FP8 graphs get a zeroed workspace, a precaution: with stale memory in the allocator's small-block
-    # pool cuDNN 9.19's padded FP8 backward returned wrong dK/dV on sm_90 where a fresh process (memory
-    # at 0) did not, and zeroed amax outputs and a zeroed workspace together did not fully cure it
-    # (results/gpu-run65-fp8-diag.jsonl): those backwards run the reference (core.known_issues)
     return Plan(graph=g, workspace=workspace, name=name, outputs=writes(key), tune=tune, label=describe(key),
-                zero_workspace=isinstance(key, Fp8Key),
                 default_index=int(getattr(g, "_plan_index", 0) or 0))

@@ -118,10 +118,12 @@ def _entry(kind, q, k, v, padded, causal, grad_dtype=None, lengths=None) -> rout
 def empty_sequence(len_q: Tensor, len_kv: Tensor) -> bool:
     """Whether a padded FP8 call has a sequence of no tokens (a length <= 0): cuDNN faults or hangs on
     it (``known_issues``, the zero-length row), so such a call runs the reference. One host sync:
-    the lengths are data. During a CUDA graph capture nothing can be read: True, so a captured
-    padded call never reaches cuDNN with lengths nobody checked."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return True
+    the lengths are data. While the lengths' device captures a CUDA graph nothing can be read: True,
+    so a captured padded call never reaches cuDNN with lengths nobody checked (it runs the reference)."""
+    if len_q.is_cuda:
+        with torch.cuda.device(len_q.device):
+            if torch.cuda.is_current_stream_capturing():
+                return True
     return bool(((len_q <= 0).any() | (len_kv <= 0).any()).item())
 
 

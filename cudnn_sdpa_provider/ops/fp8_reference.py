@@ -98,10 +98,41 @@ def forward(q, k, v, descale_q, descale_k, descale_v, scale_o, seq_len_q, seq_le
     return target.copy_(out), lse.contiguous(), amax
 
 
+#: The most bytes one (rows, heads, S_q, S_kv) fp32 score tensor of ``backward`` may take; a larger
+#: call runs in slices of batch rows and KV heads (it keeps about six such tensors at once).
+SCORE_BYTES = 256 << 20
+
+
 def backward(grad_out, q, k, v, out, descales, scales, seq_len_q, seq_len_kv, scale, scale_s, causal, dtypes):
     """One FP8 backward at fixed scales: (dq, dk, dv in ``dtypes``, amax (4,) [dq, dk, dv, ds]).
 
-    ``descales`` = (q, k, v, o, do), ``scales`` = (4,) [dq, dk, dv, ds] fp32."""
+    ``descales`` = (q, k, v, o, do), ``scales`` = (4,) [dq, dk, dv, ds] fp32. Every batch row and KV
+    head is independent (a KV head with its group of query heads), so a call whose scores would pass
+    ``SCORE_BYTES`` runs slice by slice, each slice's scores at most that size (or one row and KV
+    head, when that alone is larger): the same values, a bounded peak (about six score tensors)."""
+    b, h_k, group = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
+    per_head = group * q.shape[2] * k.shape[2] * 4
+    heads = max(1, min(h_k, SCORE_BYTES // max(per_head, 1)))
+    rows = max(1, min(b, SCORE_BYTES // max(per_head * h_k, 1))) if heads == h_k else 1
+    if rows >= b and heads >= h_k:
+        return _backward(grad_out, q, k, v, out, descales, scales, seq_len_q, seq_len_kv, scale, scale_s, causal,
+                         dtypes)
+    grads = tuple(torch.empty_like(t, dtype=dt) for t, dt in zip((q, k, v), dtypes))
+    amax = []
+    for b0 in range(0, b, rows):
+        rs = slice(b0, b0 + rows)
+        lens = [None if n is None else n[rs] for n in (seq_len_q, seq_len_kv)]
+        for h0 in range(0, h_k, heads):
+            qh, kh = slice(h0 * group, (h0 + heads) * group), slice(h0, h0 + heads)
+            *part, a = _backward(grad_out[rs, qh], q[rs, qh], k[rs, kh], v[rs, kh], out[rs, qh], descales, scales,
+                                 *lens, scale, scale_s, causal, dtypes)
+            for dst, src, hs in zip(grads, part, (qh, kh, kh)):
+                dst[rs, hs].copy_(src)
+            amax.append(a)
+    return grads + (torch.stack(amax).amax(0),)
+
+
+def _backward(grad_out, q, k, v, out, descales, scales, seq_len_q, seq_len_kv, scale, scale_s, causal, dtypes):
     descale_q, descale_k, descale_v, descale_o, descale_do = descales
     h_k = k.shape[1]
     s, mask, qf, kf = _scores(q, k, descale_q, descale_k, scale, causal, seq_len_q, seq_len_kv)

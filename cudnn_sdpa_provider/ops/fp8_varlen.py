@@ -101,6 +101,14 @@ class Placement:
         return torch.where(self.n.bad, float("nan"), 0.0).reshape(1)
 
 
+def _sequences(cu_q: Tensor, cu_kv: Tensor) -> None:
+    """The op's own check of what ``csp.fp8.attention`` checks first: one or more sequences, the same
+    number on both sides (an empty batch has no lengths to place or read)."""
+    if cu_q.shape[0] < 2 or cu_kv.shape[0] != cu_q.shape[0]:
+        raise ValueError(f"cudnn_sdpa::fp8_varlen_fwd: cu_seqlens_q and cu_seqlens_kv must hold B + 1 >= 2 prefix "
+                         f"sums each (one or more sequences); got shapes {tuple(cu_q.shape)} and {tuple(cu_kv.shape)}")
+
+
 def problem(q, k, v, cu_q, max_q: int, max_kv: int) -> support.Problem:
     """The packed forward as a ``support.Problem`` (kind "fp8"; the backward is a dense padded one)."""
     return support.Problem(
@@ -127,10 +135,10 @@ def _reference(q, k, v, descale_q, descale_k, descale_v, scale_o, cu_q, cu_kv, m
 
 
 def _fwd(found, q, k, v, descale_q, descale_k, descale_v, scale_o, cu_q, cu_kv, max_q, max_kv, scale, scale_s,
-         is_causal, compute_lse, fallback):
+         is_causal, compute_lse, fallback, lengths=None):
     args = (q, k, v, descale_q, descale_k, descale_v, scale_o, cu_q, cu_kv, max_q, max_kv)
     serve = None if found is _ON_CPU else (lambda: fp8_packed.forward(
-        *args, scale=scale, scale_s=scale_s, causal=is_causal, compute_lse=compute_lse, whole=True))
+        *args, scale=scale, scale_s=scale_s, causal=is_causal, compute_lse=compute_lse, whole=True, lengths=lengths))
     return route.call("fp8_fwd", found, serve, lambda reason: _reference(*args, scale, scale_s, is_causal, compute_lse),
                       lambda: route.describe_call(q=q, k=k, v=v, cu_seqlens_q=cu_q, max_seqlen_q=max_q,
                                                   max_seqlen_kv=max_kv, is_causal=is_causal),
@@ -156,10 +164,12 @@ def _fp8_varlen_fwd_cuda(
     fallback: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FP8 varlen forward: (out float8_e4m3fn (T_q, H_q, D_v), lse (T_q, H_q) fp32 or (0,), amax (2,) [s, o])."""
+    _sequences(cu_seqlens_q, cu_seqlens_kv)
     signature = ("op_fp8_varlen_fwd", q.device.index, route.varlen_key(q, k, v), cu_seqlens_q.shape[0],
                  max_seqlen_q, max_seqlen_kv, is_causal)
     make = lambda: problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv)  # noqa: E731
     found = route.entry(signature, make, q.device.index)
+    n = None
     if found.first is None:
         n = _Lengths(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], max_seqlen_q,
                      max_seqlen_kv, whole=True)
@@ -167,7 +177,7 @@ def _fp8_varlen_fwd_cuda(
             found = route.entry(signature + ("empty_sequence",),
                                 lambda: dataclasses.replace(make(), empty_sequence=True), q.device.index)
     return _fwd(found, q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                max_seqlen_kv, scale, scale_s, is_causal, compute_lse, fallback)
+                max_seqlen_kv, scale, scale_s, is_causal, compute_lse, fallback, n)
 
 
 fp8_varlen_fwd = torch.library.custom_op("cudnn_sdpa::fp8_varlen_fwd", _fp8_varlen_fwd_cuda, mutates_args=(),
@@ -177,6 +187,7 @@ fp8_varlen_fwd = torch.library.custom_op("cudnn_sdpa::fp8_varlen_fwd", _fp8_varl
 @fp8_varlen_fwd.register_kernel("cpu")
 def _fp8_varlen_fwd_cpu(q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
                         max_seqlen_kv, scale, scale_s, is_causal, compute_lse, fallback):
+    _sequences(cu_seqlens_q, cu_seqlens_kv)
     return _fwd(_ON_CPU, q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
                 max_seqlen_kv, scale, scale_s, is_causal, compute_lse, fallback)
 

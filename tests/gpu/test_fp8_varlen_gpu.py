@@ -80,7 +80,7 @@ def test_the_packed_fp8_forward_runs_on_cudnn_within_fp8_bounds_and_writes_no_ca
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("lens", [LENS, (1000, 517, 77)], ids=["b4", "b3"])
-def test_attention_from_bf16_forward_and_backward_served(name, lens, scaling):
+def test_attention_from_bf16_forward_served_backward_on_the_reference(name, lens, scaling):
     c, t = CASES[name], sum(lens)
     gen = torch.Generator(device=DEV).manual_seed(1)
     q, k, v = (torch.randn(t, h, 128, device=DEV, generator=gen, dtype=torch.bfloat16).requires_grad_()
