@@ -5,8 +5,8 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_pending.sh fp8      # issue #30: the grouped Triton kernels' device
 #                                                     # tests, the FP8 GPU tests with them forced, the
-#                                                     # end-to-end host breakdown (auto vs forced), the
-#                                                     # bench, the FP8 varlen probe
+#                                                     # packed FP8 tests, the end-to-end host breakdown
+#                                                     # (auto vs forced), the bench, the FP8 varlen probe
 #   OUT=/tmp/out bash scripts/gpu_pending.sh shapes   # issue #28: new_length, decode calls and a profiled
 #                                                     # generation, hf_generate, hf_dynamic_padding, the
 #                                                     # shapes and folded tests, compute-sanitizer
@@ -50,6 +50,7 @@ case "$stage" in
       -k "grouped or twins or forced_triton or triton_kernels"
     run fp8_tests_forced env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 -m pytest tests/gpu/test_fp8.py \
       tests/gpu/test_fp8_recipes_gpu.py --gpu -q -p no:cacheprovider
+    run fp8_varlen_tests python3 -m pytest tests/gpu/test_fp8_varlen_gpu.py --gpu -q -p no:cacheprovider
     run e2e_auto python3 scripts/fp8_e2e_profile.py --calls 20
     run e2e_grouped env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 scripts/fp8_e2e_profile.py --calls 20 --cprofile 20
     run bench_fp8_grouped env CUDNN_SDPA_PROVIDER_FP8_QUANT=triton python3 -m cudnn_sdpa_provider bench --shapes fp8 \

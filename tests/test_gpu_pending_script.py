@@ -51,6 +51,7 @@ def test_an_unknown_stage_is_refused(tmp_path):
 
 @pytest.mark.parametrize("stage, first, sections", [
     ("fp8", "-m pytest tests/gpu/test_fp8_recipes_gpu.py", ["grouped_kernels_on_device", "fp8_tests_forced",
+                                                            "fp8_varlen_tests",
                                                             "e2e_auto", "e2e_grouped", "bench_fp8_grouped",
                                                             "fp8_varlen_probe"]),
     ("shapes", "-m pytest tests/gpu/test_shapes.py", ["shapes_tests", "new_length_provider", "new_length_native",
