@@ -109,10 +109,19 @@ def _entry(kind, q, k, v, padded, causal, grad_dtype=None, lengths=None) -> rout
     signature = (kind, q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), padded, causal, grad_dtype)
     make = lambda: problem(q, k, v, padded, kind == "op_fp8_bwd", grad_dtype)  # noqa: E731
     found = route.entry(signature, make, q.device.index)
-    if lengths is not None and found.first is None and empty_sequence(*lengths):
-        found = route.entry(signature + ("empty_sequence",),
-                            lambda: dataclasses.replace(make(), empty_sequence=True), q.device.index)
+    if lengths is not None and found.first is None:
+        return with_lengths(found, signature, make, q.device.index, *lengths)
     return found
+
+
+def with_lengths(found: route.Entry, signature: tuple, make, device_index, len_q: Tensor, len_kv: Tensor):
+    """A served padded call's entry once its lengths are read: ``found``, or, with an empty sequence
+    (``empty_sequence``), the entry of the same problem marked ``empty_sequence`` (its known-issues
+    reason). The one rule for the dense ops and the packed forward."""
+    if not empty_sequence(len_q, len_kv):
+        return found
+    return route.entry(signature + ("empty_sequence",), lambda: dataclasses.replace(make(), empty_sequence=True),
+                       device_index)
 
 
 def empty_sequence(len_q: Tensor, len_kv: Tensor) -> bool:

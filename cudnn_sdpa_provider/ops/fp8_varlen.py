@@ -27,8 +27,6 @@ or one that bad cu_seqlens make (``cudnn_known_issue``); the backward's dense op
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
@@ -173,9 +171,8 @@ def _fp8_varlen_fwd_cuda(
     if found.first is None:
         n = _Lengths(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], max_seqlen_q,
                      max_seqlen_kv, whole=True)
-        if fp8_ops.empty_sequence(n.len_q, n.len_kv):  # out-of-range cu_seqlens give zero lengths too
-            found = route.entry(signature + ("empty_sequence",),
-                                lambda: dataclasses.replace(make(), empty_sequence=True), q.device.index)
+        # out-of-range cu_seqlens give zero lengths too
+        found = fp8_ops.with_lengths(found, signature, make, q.device.index, n.len_q, n.len_kv)
     return _fwd(found, q, k, v, descale_q, descale_k, descale_v, scale_o, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
                 max_seqlen_kv, scale, scale_s, is_causal, compute_lse, fallback, n)
 
