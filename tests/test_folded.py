@@ -12,6 +12,7 @@ tests/gpu/test_shapes.py's job.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -300,7 +301,7 @@ def test_a_rebind_defers_to_a_full_bind_on_another_stream_or_with_the_fold_off(f
     gen = torch.Generator().manual_seed(19)
     calls = lambda s_kv: dense.forward(*_operands("contiguous", 2, 8, 2, 1, s_kv, 8, gen), scale=0.3,  # noqa: E731
                                        compute_lse=False)
-    monkeypatch.setattr(folded, "_made", lambda device: (folded.fv.stream_of(device), "event"))  # as on CUDA
+    monkeypatch.setattr(folded, "_made", lambda device, fresh=False: (folded.fv.stream_of(device), "event"))  # CUDA
     calls(20)
     monkeypatch.setattr(folded.fv, "stream_of", lambda device: 5)
     calls(21)  # another stream: a full bind, which becomes the template
@@ -533,6 +534,70 @@ def test_a_new_prefill_length_uploads_its_chunk_in_one_copy(fake, monkeypatch):
         _check(q, k, v, torch.randn(2, 8, s_q, 8, generator=gen), window=(-1, 0), bottom_right=True)
     assert len(uploads) == 2 and all(n <= 4 for n in uploads), uploads
     _values_are_their_keys()
+
+
+def test_a_backward_on_another_thread_uploads_its_chunk_once(fake, monkeypatch):
+    """Autograd runs a CUDA backward on its device thread, whose value cache (per thread) the
+    forward's chunk did not fill: a backward that misses its length uploads, in one copy, the
+    lengths and its operands' offsets for every length of the chunk, so the chunk's other lengths'
+    backwards on that thread upload nothing (token-major GQA operands, as HF passes them)."""
+    monkeypatch.setattr(fold_values, "CHUNK", 8)
+    fold_values.clear()
+    uploads = _counted_uploads(monkeypatch)
+    gen = torch.Generator().manual_seed(27)
+    calls = []
+    for s in (19, 21, 18, 23):  # one chunk, 17..24
+        q, k, v = _operands("token_major", 1, 8, 2, s, s, 8, gen)
+        out, lse = dense.forward(q, k, v, scale=0.3, window=(-1, 0))
+        calls.append((torch.randn(1, 8, s, 8, generator=gen), q, k, v, out, lse))
+    assert len(uploads) == 1, uploads
+    grads = []
+
+    def backwards():  # another thread, as autograd's device thread
+        fold_values.clear()
+        for go, q, k, v, out, lse in calls:
+            grads.append(dense.backward(go, q, k, v, out, lse, scale=0.3, window=(-1, 0))[:3])
+
+    worker = threading.Thread(target=backwards)
+    worker.start()
+    worker.join()
+    assert len(uploads) == 2, f"the backward thread uploads its chunk once: {uploads}"
+    # the chunk's 8 lengths, and the offsets of Q, O, dO, dQ (one set of strides) and K, V, dK, dV (another)
+    assert uploads[1] == 8 * 3, uploads
+    for (go, q, k, v, _, _), got in zip(calls, grads):
+        want = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=0.3, window=(-1, 0),
+                                        compute_dtype=torch.float64)[:3]
+        for g, w, name in zip(got, want, ("dq", "dk", "dv")):
+            assert_rel_close(g, w, TOL, f"{name} at S={q.shape[2]}")
+    _values_are_their_keys()
+
+
+def test_a_binding_takes_the_event_of_its_threads_latest_upload(monkeypatch):
+    """``folded._made``: a binding whose small tensors all came from the value cache takes the event
+    recorded after this thread's latest upload on its stream (``fold_values.upload_mark``), which
+    every kept tensor precedes; a binding holding a tensor a kernel just made (its dead rows), or a
+    stream with no upload yet, records a new event."""
+    recorded = []
+
+    class _Event:
+        def record(self, stream):
+            recorded.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(fold_values, "stream_of", lambda device: 7)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(fold_values._tls, "marks", {}, raising=False)
+    stream, first = folded._made(cuda)
+    assert stream == 7 and recorded == [first], "no upload yet: a new event"
+    mark = _Event()
+    fold_values._tls.marks[(cuda, 7)] = mark
+    assert folded._made(cuda) == (7, mark) and len(recorded) == 1, "the latest upload's event, none recorded"
+    stream, fresh = folded._made(cuda, fresh=True)
+    assert fresh is not mark and recorded[-1] is fresh, "a kernel-made tensor: a new event after it"
+    monkeypatch.setattr(fold_values, "stream_of", lambda device: 8)
+    assert folded._made(cuda)[1] is not mark, "another stream's uploads do not cover this one"
+    assert folded._made(torch.device("cpu")) is None
 
 
 def _capture_calls(monkeypatch, fn):

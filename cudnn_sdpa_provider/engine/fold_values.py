@@ -29,7 +29,7 @@ import torch
 
 from ..core import layout
 
-__all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "BLOCK_VALUES", "stream_of", "fold_strides", "length_key", "length_request",
+__all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "BLOCK_VALUES", "stream_of", "upload_mark", "fold_strides", "length_key", "length_request",
            "offsets_request", "operand", "resolve", "ahead", "chunk", "kept", "clear", "layout_of"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
@@ -61,6 +61,12 @@ def kept():
 def clear() -> None:
     """Forget this thread's tensors (bindings keep theirs)."""
     _tls.small = OrderedDict()
+
+
+def upload_mark(device, stream: int):
+    """The CUDA event recorded on ``stream`` right after this thread's latest upload there (``_upload``);
+    None before the first. Every tensor this thread keeps for that stream was copied before it."""
+    return getattr(_tls, "marks", {}).get((device, stream))
 
 
 def stream_of(device) -> int:
@@ -234,7 +240,16 @@ def _upload(values: dict, blocks, device) -> dict:
         host[:len(head)] = torch.tensor(head, dtype=torch.int32)
     for keys, block, start, width in placed:
         host[start:start + len(keys) * width].view(len(keys), width)[:, :block.shape[1]] = block
-    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    if device.type == "cuda":
+        flat = host.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        marks = getattr(_tls, "marks", None)
+        if marks is None:
+            marks = _tls.marks = {}
+        marks[(device, stream_of(device))] = event
+    else:
+        flat = host.to(device)
     made = {key: flat[start:start + m].view(-1, 1, 1, 1) for key, (start, m) in spans.items()}
     for keys, block, start, width in placed:
         m = block.shape[1]

@@ -171,15 +171,21 @@ def _kv_desc(t: torch.Tensor, n: int, s_b: int) -> Desc:
     return _desc((n, 1, s_b, t.shape[3]), (0, 0, t.stride(2), 1), t.dtype)
 
 
-def _made(device):
+def _made(device, fresh: bool = False):
     """(stream, event) marking where a new binding's device tensors were uploaded (``_order``); None
-    off CUDA. Every tensor a binding holds was uploaded on its stream: the value cache is kept per
-    stream, so a hit is stream-ordered before the event too."""
+    off CUDA. Every tensor a binding holds from the value cache was uploaded on its stream by this
+    thread (the cache is kept per thread and per stream), at or before this thread's latest upload
+    there: that upload's event (``fold_values.upload_mark``) covers them, so a binding that uploaded
+    nothing records no event of its own. ``fresh``: the binding also holds a tensor a kernel has
+    just made (its dead-row mask), so a new event is recorded after it."""
     if device.type != "cuda":
         return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return fv.stream_of(device), event
+    stream = fv.stream_of(device)
+    event = None if fresh else fv.upload_mark(device, stream)
+    if event is None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    return stream, event
 
 
 def _order(found: Binding, device) -> None:
@@ -230,8 +236,8 @@ def _tensors(wanted: list, device, stream, decode=None, chunk=None) -> tuple:
     """The binding's small device tensors in ``wanted``'s order, in one upload for those not kept
     (``fold_values``). ``decode``, (k, v, n, H_kv, S_kv): a decode forward's; when its KV length is
     not kept, the next lengths' are uploaded too (``fold_values.ahead``). ``chunk``, (operands, n,
-    H_kv, S): a self-attention forward's (S_q = S_kv = S, operands (tensor, groups)); when its
-    length is not kept, every length of its chunk is uploaded too (``fold_values.chunk``)."""
+    H_kv, S): a self-attention forward's or backward's (S_q = S_kv = S, operands (tensor, groups));
+    when its length is not kept, every length of its chunk is uploaded too (``fold_values.chunk``)."""
     blocks = ()
     if decode is not None:
         k, v, n, h_kv, s_kv = decode
@@ -280,11 +286,11 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     chunk = ([(qr, groups), (k, 1), (v, 1), (out_buf, groups), (lse_buf, groups)], n, h_kv, s_q) \
         if s_q == s_kv > 1 else None
     tensors = _tensors(wanted, q.device, stream, decode, chunk)
+    dead = True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
-                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device),
-                          "made": _made(q.device)},
+                          "dead": dead, "made": _made(q.device, fresh=isinstance(dead, torch.Tensor))},
                    fix=copy_q)
 
 
@@ -335,8 +341,8 @@ def rebind_forward(template: Binding, q, k, v, *, window, bottom_right: bool) ->
     lengths_kv, off_k, off_v = _tensors(wanted, q.device, stream, (k, v, n, h_kv, s_kv))
     old = template.extra["tensors"]
     tensors = (old[0], lengths_kv, old[2], off_k, off_v) + old[5:]
-    extra = dict(template.extra, tensors=tensors, dead=_dead(1, s_kv, window, bottom_right, q.device),
-                 made=_made(q.device))
+    dead = _dead(1, s_kv, window, bottom_right, q.device)
+    extra = dict(template.extra, tensors=tensors, dead=dead, made=_made(q.device, fresh=dead is not None))
     return Binding(plan=template.plan, uids=template.uids, repair=template.repair, outputs=template.outputs,
                    direct=template.direct, extra=extra, fix=template.fix)
 
@@ -417,14 +423,16 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
             return None
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
     wanted += [request for _, request in ops]
-    tensors = _tensors(wanted, q.device, stream)
+    # autograd runs a backward on its device thread, whose value cache the forward's chunk did not fill
+    chunk = ([(qr, groups), (k, 1), (v, 1), (outr, groups), (do, groups), (bufs[0], groups), (bufs[1], 1),
+              (bufs[2], 1)], n, h_kv, s_q) if s_q == s_kv > 1 else None
+    tensors = _tensors(wanted, q.device, stream, chunk=chunk)
+    dead = True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b, "h_kv": h_kv,
-                          "padded": padded,
-                          "dead": True if padded else _dead(s_q, s_kv, window, bottom_right, q.device),
-                          "made": _made(q.device)},
+                          "padded": padded, "dead": dead, "made": _made(q.device, fresh=isinstance(dead, torch.Tensor))},
                    fix=any(c for _, c in reads))
 
 
