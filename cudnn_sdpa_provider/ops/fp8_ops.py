@@ -290,7 +290,6 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
                                       is_causal, (torch.float8_e4m3fn,) * 3)
 
     def adaptive():
-        use = _scales_from(state[:4], margin) if state is not None else scales.float().clone()  # never an alias
         # an operand with an inf or NaN (a NaN descale, fp8._current) makes every gradient NaN: no
         # scale can fix that, so no re-run, and its amax (NaN, or whatever a kernel's max made of
         # NaN) must not become the recipe's state for the next calls (issue #29)
@@ -302,6 +301,7 @@ def _bwd(found, grad_out, q, k, v, out, lse, descales, scales, recipe, seq_len_q
             _warm(asked, "grad_books", _grad_books, history, amax, use, unit, descales, margin)
             # the op's output is contiguous, as its fake kernel says (the Triton twin's is one 16-byte row each)
             return dq, dk, dv, use.contiguous(), amax
+        use = _scales_from(state[:4], margin) if state is not None else scales.float().clone()  # never an alias
         finite = torch.isfinite(torch.cat([d.reshape(-1).float() for d in descales])).all()
         for attempt in range(ATTEMPTS if state is not None else 1):
             dq, dk, dv, amax = once(use)
