@@ -17,12 +17,17 @@
 #                                                     # calls, hf_generate (four paths, batch 8 and 1),
 #                                                     # hf_dynamic_padding (three paths), each in this
 #                                                     # process's children as bench_shapes.py runs them
+#   OUT=/tmp/out bash scripts/gpu_pending.sh host     # issues #28 and #30 in one short call: the FP8 host
+#                                                     # time per function, cuDNN's FP8 kernels with GQA
+#                                                     # against K/V expanded, the new-length host segments,
+#                                                     # the FP8 end-to-end profile, the shapes/folded and
+#                                                     # FP8 recipe tests
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
 # Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
 set -u
-stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|tier}
+stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|tier}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 fe=${FRONTEND:-1.32.0}
@@ -83,12 +88,22 @@ case "$stage" in
       run "hf_dynamic_padding_$path" python3 scripts/bench_shapes.py hf_dynamic_padding "$path"
     done
     ;;
+  host)
+    run fp8_host_breakdown python3 scripts/fp8_host_breakdown.py
+    run fp8_gqa_bwd_probe python3 scripts/fp8_gqa_bwd_probe.py
+    run new_length_segments python3 scripts/new_length_breakdown.py --segments
+    run fp8_e2e python3 scripts/fp8_e2e_profile.py --calls 20
+    run fp8_gqa_bwd_probe_4k python3 scripts/fp8_gqa_bwd_probe.py --shape 4,32,8,4096,128
+    run shapes_folded_tests python3 -m pytest tests/gpu/test_shapes.py tests/gpu/test_folded_gpu.py --gpu -q \
+      -p no:cacheprovider
+    run fp8_recipe_tests python3 -m pytest tests/gpu/test_fp8_recipes_gpu.py --gpu -q -p no:cacheprovider
+    ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \
       tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
     ;;
   *)
-    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, tier)" >&2
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, tier)" >&2
     exit 2
     ;;
 esac
