@@ -21,7 +21,7 @@
 #                                                     # time per function, cuDNN's FP8 kernels with GQA
 #                                                     # against K/V expanded, the new-length host segments,
 #                                                     # the FP8 end-to-end profile, the shapes/folded and
-#                                                     # FP8 recipe tests
+#                                                     # FP8 recipe tests, a Triton launch's host cost
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
@@ -97,6 +97,7 @@ case "$stage" in
     run shapes_folded_tests python3 -m pytest tests/gpu/test_shapes.py tests/gpu/test_folded_gpu.py --gpu -q \
       -p no:cacheprovider
     run fp8_recipe_tests python3 -m pytest tests/gpu/test_fp8_recipes_gpu.py --gpu -q -p no:cacheprovider
+    run triton_launch_probe python3 scripts/triton_launch_probe.py
     ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \

@@ -64,7 +64,7 @@ def test_an_unknown_stage_is_refused(tmp_path):
      + [f"hf_dynamic_padding_{p}" for p in ("provider", "cudnn", "native")]),
     ("host", "scripts/fp8_host_breakdown.py", ["fp8_host_breakdown", "fp8_gqa_bwd_probe", "new_length_segments",
                                                 "fp8_e2e", "fp8_gqa_bwd_probe_4k", "shapes_folded_tests",
-                                                "fp8_recipe_tests"]),
+                                                "fp8_recipe_tests", "triton_launch_probe"]),
     ("tier", "-m pytest tests/gpu/test_known_issues_gpu.py", ["tier"]),
 ])
 def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first, sections):
