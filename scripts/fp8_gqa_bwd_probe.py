@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
@@ -23,20 +22,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
+from bench_fp8_quant import median_ms  # noqa: E402  (scripts/, this script's folder)
 
 
 def _time(fn, repeats):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, repeats, 3)
 
 
 def main(argv=None) -> int:
