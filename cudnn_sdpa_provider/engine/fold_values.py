@@ -29,8 +29,8 @@ import torch
 
 from ..core import layout
 
-__all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "BLOCK_VALUES", "stream_of", "upload_mark", "fold_strides", "length_key", "length_request",
-           "offsets_request", "operand", "resolve", "ahead", "chunk", "kept", "clear", "layout_of"]
+__all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "BLOCK_VALUES", "stream_of", "upload_mark", "fold_strides", "length_key",
+           "length_request", "offsets_request", "operand", "resolve", "ahead", "chunk", "kept", "clear", "layout_of"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
 #: eviction frees nothing a binding still needs.

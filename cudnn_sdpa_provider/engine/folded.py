@@ -432,7 +432,8 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b, "h_kv": h_kv,
-                          "padded": padded, "dead": dead, "made": _made(q.device, fresh=isinstance(dead, torch.Tensor))},
+                          "padded": padded, "dead": dead,
+                          "made": _made(q.device, fresh=isinstance(dead, torch.Tensor))},
                    fix=any(c for _, c in reads))
 
 
