@@ -276,6 +276,23 @@ def test_the_delayed_backward_reruns_only_its_first_call_and_keeps_a_history():
     assert h.row[4:8].tolist() == [4] * 4 and h.saturated.sum() == 0
 
 
+def test_a_warm_delayed_backward_takes_its_scales_from_the_history_only(monkeypatch):
+    """Once warm, a delayed backward's scales come from the history (``_grad_scales``, whose aten
+    form rounds them with ``_scales_from`` once); the state's own scales (``_scales_from`` on the
+    state, about 15 aten launches), which only the first, adaptive backward uses, are not computed."""
+    recipe = fp8.Recipe(scaling="delayed")
+    q, k, v, go = attn_inputs(4, 4, 32, torch.float32, seed=111)
+    run_attention(q, k, v, go, recipe)
+    assert recipe.warm("cpu")
+    calls = {"_scales_from": 0, "_grad_scales": 0}
+    for name in calls:
+        real = getattr(fp8_ops, name)
+        monkeypatch.setattr(fp8_ops, name, lambda *a, _name=name, _real=real: calls.__setitem__(
+            _name, calls[_name] + 1) or _real(*a))
+    run_attention(q, k, v, go, recipe)
+    assert calls == {"_scales_from": 1, "_grad_scales": 1}, calls
+
+
 def test_a_delayed_backward_whose_scale_clips_is_counted_once():
     csp.reset_stats()
     recipe = fp8.Recipe(scaling="delayed")
