@@ -82,7 +82,7 @@ def fold_strides(shape, stride, itemsize: int, h_kv: int, groups: int) -> tuple[
     if shape[0] > 1:
         return stride[0], sg
     per = layout.ALIGN // itemsize
-    extent = sum((n - 1) * s for n, s in zip(shape[1:], stride[1:])) + 1
+    extent = (shape[1] - 1) * stride[1] + (shape[2] - 1) * stride[2] + (shape[3] - 1) * stride[3] + 1  # 4-D
     return max(h_kv * sg, -(-extent // per) * per), sg
 
 
@@ -176,11 +176,14 @@ def _blocks(lengths: list, operands, n: int, h_kv: int, device, stream: int) -> 
         if kind is None:
             continue
         b, h, _, d = t.shape
-        pairs = [fold_strides((b, h, s, d), _strides(kind, h, s, d), t.element_size(), h_kv, groups) for s in lengths]
+        item = t.element_size()
+        pair = lambda s: fold_strides((b, h, s, d), _strides(kind, h, s, d), item, h_kv, groups)  # noqa: E731
+        first = _offsets_key(device, stream, n, h_kv, *pair(lengths[0]))
+        if first in seen:
+            continue  # another operand with the same strides (K and V, Q and O): the same rows
+        seen.add(first)
+        pairs = [pair(s) for s in lengths]
         keys = [_offsets_key(device, stream, n, h_kv, sb, sg) for sb, sg in pairs]
-        if keys[0] in seen:
-            continue  # another operand with the same strides (K and V, Q and O)
-        seen.add(keys[0])
         sb, sg = zip(*pairs)
         rows = _offset_rows(n, h_kv, sb, sg)
         fits = rows.amax(dim=1) <= _INT32_MAX  # a longer length's offsets may pass int32: not kept
@@ -252,6 +255,6 @@ def _upload(values: dict, blocks, device) -> dict:
         flat = host.to(device)
     made = {key: flat[start:start + m].view(-1, 1, 1, 1) for key, (start, m) in spans.items()}
     for keys, block, start, width in placed:
-        m = block.shape[1]
-        made.update((key, flat[start + j * width:start + j * width + m].view(-1, 1, 1, 1)) for j, key in enumerate(keys))
+        rows = flat[start:start + len(keys) * width].view(len(keys), width)[:, :block.shape[1]]
+        made.update(zip(keys, rows.unsqueeze(-1).unsqueeze(-1).unsqueeze(-1).unbind(0)))  # one op for every row
     return made
