@@ -57,13 +57,17 @@ def main(argv=None) -> int:
     compiled = jit(out_jit)
     torch.cuda.synchronize()
     stream = torch.cuda.current_stream().cuda_stream
-    from triton import knobs
+    try:  # triton 3.4+: the hooks live in knobs; before, on CompiledKernel
+        from triton import knobs
+
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    except ImportError:
+        hooks = (type(compiled).launch_enter_hook, type(compiled).launch_exit_hook)
 
     def direct(out=out_direct):
         values = (x, out, n, factor, fqt.BLOCK, False)
         compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *values), knobs.runtime.launch_enter_hook,
-                     knobs.runtime.launch_exit_hook, *values)
+                     compiled.launch_metadata(grid, stream, *values), *hooks, *values)
 
     try:
         direct()
