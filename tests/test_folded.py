@@ -301,7 +301,7 @@ def test_a_rebind_defers_to_a_full_bind_on_another_stream_or_with_the_fold_off(f
     gen = torch.Generator().manual_seed(19)
     calls = lambda s_kv: dense.forward(*_operands("contiguous", 2, 8, 2, 1, s_kv, 8, gen), scale=0.3,  # noqa: E731
                                        compute_lse=False)
-    monkeypatch.setattr(folded, "_made", lambda device, fresh=False: (folded.fv.stream_of(device), "event"))  # CUDA
+    monkeypatch.setattr(folded, "_made", lambda device, dead=None: (folded.fv.stream_of(device), "event"))  # CUDA
     calls(20)
     monkeypatch.setattr(folded.fv, "stream_of", lambda device: 5)
     calls(21)  # another stream: a full bind, which becomes the template
@@ -593,8 +593,9 @@ def test_a_binding_takes_the_event_of_its_threads_latest_upload(monkeypatch):
     mark = _Event()
     fold_values._tls.marks[(cuda, 7)] = mark
     assert folded._made(cuda) == (7, mark) and len(recorded) == 1, "the latest upload's event, none recorded"
-    stream, fresh = folded._made(cuda, fresh=True)
-    assert fresh is not mark and recorded[-1] is fresh, "a kernel-made tensor: a new event after it"
+    stream, fresh = folded._made(cuda, torch.zeros(1, 1, 4, 1, dtype=torch.bool))
+    assert fresh is not mark and recorded[-1] is fresh, "a kernel-made dead-row mask: a new event after it"
+    assert folded._made(cuda, True) == (7, mark), "a padded binding's dead entry (True) is no tensor"
     monkeypatch.setattr(fold_values, "stream_of", lambda device: 8)
     assert folded._made(cuda)[1] is not mark, "another stream's uploads do not cover this one"
     assert folded._made(torch.device("cpu")) is None

@@ -171,17 +171,17 @@ def _kv_desc(t: torch.Tensor, n: int, s_b: int) -> Desc:
     return _desc((n, 1, s_b, t.shape[3]), (0, 0, t.stride(2), 1), t.dtype)
 
 
-def _made(device, fresh: bool = False):
+def _made(device, dead=None):
     """(stream, event) marking where a new binding's device tensors were uploaded (``_order``); None
     off CUDA. Every tensor a binding holds from the value cache was uploaded on its stream by this
     thread (the cache is kept per thread and per stream), at or before this thread's latest upload
     there: that upload's event (``fold_values.upload_mark``) covers them, so a binding that uploaded
-    nothing records no event of its own. ``fresh``: the binding also holds a tensor a kernel has
-    just made (its dead-row mask), so a new event is recorded after it."""
+    nothing records no event of its own. ``dead``: the binding's dead-row entry; a mask tensor was
+    just made by a kernel, so a new event is recorded after it."""
     if device.type != "cuda":
         return None
     stream = fv.stream_of(device)
-    event = None if fresh else fv.upload_mark(device, stream)
+    event = None if isinstance(dead, torch.Tensor) else fv.upload_mark(device, stream)
     if event is None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
@@ -290,7 +290,7 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
-                          "dead": dead, "made": _made(q.device, fresh=isinstance(dead, torch.Tensor))},
+                          "dead": dead, "made": _made(q.device, dead)},
                    fix=copy_q)
 
 
@@ -342,7 +342,7 @@ def rebind_forward(template: Binding, q, k, v, *, window, bottom_right: bool) ->
     old = template.extra["tensors"]
     tensors = (old[0], lengths_kv, old[2], off_k, off_v) + old[5:]
     dead = _dead(1, s_kv, window, bottom_right, q.device)
-    extra = dict(template.extra, tensors=tensors, dead=dead, made=_made(q.device, fresh=dead is not None))
+    extra = dict(template.extra, tensors=tensors, dead=dead, made=_made(q.device, dead))
     return Binding(plan=template.plan, uids=template.uids, repair=template.repair, outputs=template.outputs,
                    direct=template.direct, extra=extra, fix=template.fix)
 
@@ -409,8 +409,9 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     uids = (UID.Q, UID.K, UID.V, UID.O, UID.DO, UID.LSE, UID.DQ, UID.DK, UID.DV, UID.SEQ_Q, UID.SEQ_KV,
             UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O, UID.RAG_DO, UID.RAG_DQ, UID.RAG_DK, UID.RAG_DV)
     stream = fv.stream_of(q.device)
-    ops = [fv.operand(t, h_kv, g, stream) for t, g in ((qr, groups), (k, 1), (v, 1), (outr, groups), (do, groups),
-                                                        (bufs[0], groups), (bufs[1], 1), (bufs[2], 1))]
+    operands = [(qr, groups), (k, 1), (v, 1), (outr, groups), (do, groups), (bufs[0], groups), (bufs[1], 1),
+                (bufs[2], 1)]
+    ops = [fv.operand(t, h_kv, g, stream) for t, g in operands]
     if max(end for end, _ in ops) > _INT32_MAX:
         return None  # int32 ragged offsets: the exact graph
     if plan is None:
@@ -424,16 +425,14 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
     wanted += [request for _, request in ops]
     # autograd runs a backward on its device thread, whose value cache the forward's chunk did not fill
-    chunk = ([(qr, groups), (k, 1), (v, 1), (outr, groups), (do, groups), (bufs[0], groups), (bufs[1], 1),
-              (bufs[2], 1)], n, h_kv, s_q) if s_q == s_kv > 1 else None
+    chunk = (operands, n, h_kv, s_q) if s_q == s_kv > 1 else None
     tensors = _tensors(wanted, q.device, stream, chunk=chunk)
     dead = True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b, "h_kv": h_kv,
-                          "padded": padded, "dead": dead,
-                          "made": _made(q.device, fresh=isinstance(dead, torch.Tensor))},
+                          "padded": padded, "dead": dead, "made": _made(q.device, dead)},
                    fix=any(c for _, c in reads))
 
 
