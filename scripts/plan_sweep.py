@@ -1,6 +1,7 @@
 """Every cuDNN plan for the graphs the provider builds at the bench's GPU-bound shapes, timed (GPU).
 
     python3 scripts/plan_sweep.py [--cases varlen,b4_h16_s4096_d128_causal] [--repeats 20] [--json FILE]
+    python3 scripts/plan_sweep.py --cases "" --fp8 4,32,8,8192,128,causal [--fp8 ...]
 
 For each case (the bench's case names; default: the varlen case and three dense ones), the
 provider runs the call once (forward, then forward+backward) and the script records each graph it
@@ -9,6 +10,10 @@ with every plan cuDNN offers (heuristic modes A, B and FALLBACK, ``build_plan_po
 times each plan on those buffers: CUDA events around each execute, after warm-up, median of
 ``--repeats``. The provider's own choice (the first plan of mode A that builds) is marked, so the
 output says whether a faster plan exists for that graph and by how much.
+
+``--fp8 B,H_q,H_kv,S,D[,causal]`` (repeatable) does the same for the FP8 graphs of one
+``csp.fp8.attention`` forward+backward from bf16 randn inputs (delayed recipe). Timed executes
+reuse that call's buffers; the amax outputs accumulate across them, which changes no kernel's work.
 """
 
 from __future__ import annotations
@@ -54,6 +59,19 @@ def _run_case(case) -> None:
     torch.cuda.synchronize()
 
 
+def _run_fp8(spec: str) -> None:
+    *dims, last = spec.split(",")
+    causal = last == "causal"
+    b, h, hk, s, d = (int(x) for x in (dims if causal else dims + [last]))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, h, s, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(b, hk, s, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    out = csp.fp8.attention(q, k, v, is_causal=causal, recipe=csp.fp8.Recipe())
+    out.backward(torch.randn(out.shape, device="cuda", generator=gen, dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+
+
 def _time_us(fn, repeats: int) -> float:
     return tuning.cuda_timer(fn, warmup=3, repeats=repeats) * 1e3  # the package's autotune timer
 
@@ -61,7 +79,9 @@ def _time_us(fn, repeats: int) -> float:
 def _sweep(key, uids, buffers, repeats: int) -> list[dict]:
     handle = graphs._handle(key.device)
     with torch.cuda.device(key.device):
-        g = graphs._build_bwd(key, handle) if isinstance(key, graphs.BwdKey) else graphs._build_fwd(key, handle)
+        build = graphs._build_fp8 if isinstance(key, graphs.Fp8Key) else \
+            graphs._build_bwd if isinstance(key, graphs.BwdKey) else graphs._build_fwd
+        g = build(key, handle)
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
@@ -91,10 +111,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--fp8", action="append", default=[], metavar="B,H_q,H_kv,S,D[,causal]")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     by_name = {c.name: c for c in MATRIX}
-    wanted = [by_name[n] for n in args.cases.split(",")]
+    wanted = [(by_name[n].name, lambda c=by_name[n]: _run_case(c)) for n in args.cases.split(",") if n]
+    wanted += [(f"fp8_{spec}", lambda spec=spec: _run_fp8(spec)) for spec in args.fp8]
     calls: dict = {}  # id(plan) -> (key, plan, uids, buffers) of its last execute
     real_execute = graphs.execute
 
@@ -107,16 +129,16 @@ def main() -> None:
     results = {}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn.backend_version()}, "
           f"frontend {cudnn.__version__}; device us per execute, median of {args.repeats}", flush=True)
-    for case in wanted:
+    for name, run_case in wanted:
         calls.clear()
         graphs.execute = recording
         try:
             with csp.enable():
-                _run_case(case)
+                run_case()
         finally:
             graphs.execute = real_execute
         for key, plan, uids, buffers in calls.values():
-            label = f"{case.name}: {graphs.describe(key)}"
+            label = f"{name}: {graphs.describe(key)}"
             rows = _sweep(key, uids, buffers, args.repeats)
             results[label] = {"provider_plan": plan.name, "plans": rows}
             print(f"\n{label}\n  provider's plan: {plan.name}", flush=True)
