@@ -7,7 +7,11 @@ the forward and backward of ``csp.fp8.forward`` / ``csp.fp8.backward`` as given 
 k and v expanded to H_q heads (``repeat_interleave`` on the FP8 bytes, timed separately), CUDA
 events, median of ``--repeats`` after warm-up; bf16 native (``F.scaled_dot_product_attention``
 forward+backward with ``enable_gqa``) beside them. Scales are fixed (1 for the gradients: the
-timing does not depend on the values), so nothing is re-run.
+timing does not depend on the values), so nothing is re-run. ``per row``: the same backward as B
+calls on one batch row each (views, B = 1 graphs), with the largest difference of its dQ, dK, dV
+from the whole-batch call's (as floats; 0 means the same values), and ``package``: the backward as
+``csp.fp8.backward`` runs it (``fp8_cudnn.ROW_SPLIT_CAUSAL``: by rows where causal and B > 1). The
+other rows run with ``ROW_SPLIT_CAUSAL`` off: one whole-batch graph.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
+from cudnn_sdpa_provider.engine import fp8_cudnn  # noqa: E402
 from bench_fp8_quant import median_ms  # noqa: E402  (scripts/, this script's folder)
 
 
@@ -59,9 +64,24 @@ def main(argv=None) -> int:
             t_fwd = _time(lambda: csp.fp8.forward(q8, kk, vv, scale_o=one, return_lse=True, **kw), args.repeats)
             bwd = lambda: csp.fp8.backward(go8, q8, kk, vv, fwd.out, fwd.lse, descale_o=one, descale_do=ddo,  # noqa
                                            scale_dq=one, scale_dk=one, scale_dv=one, scale_dp=one, **kw)
+            fp8_cudnn.ROW_SPLIT_CAUSAL = False
             t_bwd = _time(bwd, args.repeats)
             print(f"  {name:9s} fp8 fwd {t_fwd:.3f}  bwd {t_bwd:.3f}  (fwd {native_fwd / t_fwd:.2f}x, "
                   f"fwd+bwd {native_bwd / (t_fwd + t_bwd):.2f}x native)")
+            if b > 1 and name == "gqa":
+                rows = lambda: [csp.fp8.backward(  # noqa: E731
+                    go8[i:i + 1], q8[i:i + 1], kk[i:i + 1], vv[i:i + 1], fwd.out[i:i + 1], fwd.lse[i:i + 1],
+                    descale_o=one, descale_do=ddo, scale_dq=one, scale_dk=one, scale_dv=one, scale_dp=one, **kw)
+                    for i in range(b)]
+                t_rows = _time(rows, args.repeats)
+                whole, split = bwd(), rows()
+                diff = max(float((getattr(whole, g).float()[i] - getattr(r, g).float()[0]).abs().max())
+                           for i, r in enumerate(split) for g in ("dq", "dk", "dv"))
+                print(f"  per row   fp8 bwd {t_rows:.3f}  (fwd+bwd {native_bwd / (t_fwd + t_rows):.2f}x native; "
+                      f"largest gradient difference from the whole batch {diff:.3g})")
+                fp8_cudnn.ROW_SPLIT_CAUSAL = True
+                t_pkg = _time(bwd, args.repeats)
+                print(f"  package   fp8 bwd {t_pkg:.3f}  (fwd+bwd {native_bwd / (t_fwd + t_pkg):.2f}x native)")
     stats = csp.stats()
     print("served:", {p: n for p, n in stats.served.items() if p.startswith("fp8")},
           "fell back:", {p: dict(r) for p, r in stats.fallback.items() if p.startswith("fp8") and r})

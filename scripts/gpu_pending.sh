@@ -22,12 +22,16 @@
 #                                                     # against K/V expanded, the new-length host segments,
 #                                                     # the FP8 end-to-end profile, the shapes/folded and
 #                                                     # FP8 recipe tests, a Triton launch's host cost
+#   OUT=/tmp/out bash scripts/gpu_pending.sh rows     # issue #30, causal FP8 backward by batch rows: the
+#                                                     # GQA probe (whole batch, per row, package) at 8k
+#                                                     # and 4k, the FP8 GPU tests, the bench's two causal
+#                                                     # GQA cases, the FP8 backward's plan sweep
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
 # Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
 set -u
-stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|tier}
+stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|rows|tier}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 fe=${FRONTEND:-1.32.0}
@@ -99,12 +103,22 @@ case "$stage" in
     run fp8_recipe_tests python3 -m pytest tests/gpu/test_fp8_recipes_gpu.py --gpu -q -p no:cacheprovider
     run triton_launch_probe python3 scripts/triton_launch_probe.py
     ;;
+  rows)
+    run fp8_gqa_bwd_probe python3 scripts/fp8_gqa_bwd_probe.py
+    run fp8_gqa_bwd_probe_4k python3 scripts/fp8_gqa_bwd_probe.py --shape 4,32,8,4096,128
+    run fp8_tests python3 -m pytest tests/gpu/test_fp8.py tests/gpu/test_fp8_recipes_gpu.py --gpu -q -p no:cacheprovider
+    run bench_fp8_gqa_causal python3 -m cudnn_sdpa_provider bench \
+      --shapes fp8_b4_h32kv8_s4096_d128_causal,fp8_b4_h32kv8_s8192_d128_causal --repeats 10 --warmup 3 \
+      --json "$OUT/bench-fp8-gqa-causal.json"
+    run fp8_plan_sweep python3 scripts/plan_sweep.py --cases "" --repeats 10 --fp8 4,32,8,8192,128,causal \
+      --fp8 1,32,32,8192,128,causal
+    ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \
       tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
     ;;
   *)
-    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, tier)" >&2
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, rows, tier)" >&2
     exit 2
     ;;
 esac

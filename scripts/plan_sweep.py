@@ -12,7 +12,8 @@ times each plan on those buffers: CUDA events around each execute, after warm-up
 output says whether a faster plan exists for that graph and by how much.
 
 ``--fp8 B,H_q,H_kv,S,D[,causal]`` (repeatable) does the same for the FP8 graphs of one
-``csp.fp8.attention`` forward+backward from bf16 randn inputs (delayed recipe). Timed executes
+``csp.fp8.attention`` forward+backward from bf16 randn inputs (delayed recipe), the backward as
+one whole-batch graph (``fp8_cudnn.ROW_SPLIT_CAUSAL`` off). Timed executes
 reuse that call's buffers; the amax outputs accumulate across them, which changes no kernel's work.
 """
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
 
 import cudnn_sdpa_provider as csp  # noqa: E402
-from cudnn_sdpa_provider.engine import graphs, tuning  # noqa: E402
+from cudnn_sdpa_provider.engine import fp8_cudnn, graphs, tuning  # noqa: E402
 from cudnn_sdpa_provider.tools.bench import MATRIX  # noqa: E402
 
 DEFAULT_CASES = ("varlen_n16_h16_d128_causal", "b4_h16_s4096_d128", "b4_h16_s4096_d128_causal",
@@ -60,6 +61,7 @@ def _run_case(case) -> None:
 
 
 def _run_fp8(spec: str) -> None:
+    fp8_cudnn.ROW_SPLIT_CAUSAL = False  # sweep the whole-batch backward graph
     *dims, last = spec.split(",")
     causal = last == "causal"
     b, h, hk, s, d = (int(x) for x in (dims if causal else dims + [last]))

@@ -21,7 +21,7 @@ import cudnn_sdpa_provider as csp
 from cudnn_sdpa_provider.core import counters, known_issues, support
 from cudnn_sdpa_provider.core.errors import NotSupportedError
 from cudnn_sdpa_provider.engine import fp8_packed, graphs
-from cudnn_sdpa_provider.ops import fp8_ops, fp8_varlen, route
+from cudnn_sdpa_provider.ops import fp8_ops, fp8_reference, fp8_varlen, route
 from tests import fake_cudnn
 from tests.test_fp8 import ATTN_FWD_TOL, ATTN_GRAD_TOL
 from tests.util import rel_error
@@ -560,3 +560,47 @@ def test_the_op_refuses_cu_seqlens_without_a_sequence(served, kernel):
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         fn(q8, q8, q8, dq, dq, dq, torch.ones(1), none, none, 4, 4, 128 ** -0.5, 256.0, False, False, True)
     assert not served
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+def test_a_causal_engine_backward_runs_one_batch_row_at_a_time(served, monkeypatch, token_major):
+    """``fp8_cudnn.backward`` with the causal mask and B > 1 executes B graphs of one batch row (run
+    70: cuDNN's causal FP8 backward was slower per row at B = 4); the gradients are the whole-batch
+    call's bits in q, k and v's layouts, the amax the largest of the rows'. Without the mask one
+    whole-batch graph runs."""
+    from cudnn_sdpa_provider.engine import fp8_cudnn
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, hk, s, d = 3, 4, 2, 9, 32
+
+    def operand(heads):
+        t = torch.randn(b, s, heads, d, generator=gen) if token_major else torch.randn(b, heads, s, d, generator=gen)
+        t = t.transpose(1, 2) if token_major else t
+        return (t * 3).to(torch.float8_e4m3fn)
+
+    q, k, v, out, go = operand(h), operand(hk), operand(hk), operand(h), operand(h)
+    factors = [torch.full((1,), x) for x in (0.5, 0.25, 0.75, 1.0)]
+    lse = {causal: fp8_reference.forward(q, k, v, *factors[:3], torch.ones(1), None, None, 0.2, 8.0, causal, True)[1]
+           for causal in (True, False)}  # the graph checks that it reads its forward's LSE
+    descales = tuple(factors) + (torch.full((1,), 0.5),)
+    scales = torch.tensor([64.0, 32.0, 16.0, 8.0])
+
+    def call(causal):
+        """(the result, {declared batch: executes} of the backward graphs this call ran)"""
+        before = {id(g): len(g.calls) for g in served}
+        res = fp8_cudnn.backward(go, q, k, v, out, lse[causal], descales, scales, None, None, scale=0.2, scale_s=8.0,
+                                 causal=causal)
+        ran = {g.key.q.dims[0]: len(g.calls) - before.get(id(g), 0) for g in served if g.key.backward}
+        return res, {n: c for n, c in ran.items() if c}
+
+    monkeypatch.setattr(fp8_cudnn, "ROW_SPLIT_CAUSAL", False)
+    whole, ran = call(True)
+    assert ran == {b: 1}, ran
+    monkeypatch.setattr(fp8_cudnn, "ROW_SPLIT_CAUSAL", True)
+    split, ran = call(True)
+    assert ran == {1: b}, ran
+    for name, got, want, like in zip(("dq", "dk", "dv"), split[:3], whole[:3], (q, k, v)):
+        assert got.stride() == like.stride() and got.dtype == torch.float8_e4m3fn, name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert torch.equal(split[3], whole[3]) and bool((split[3] > 0).all())
+    assert call(False)[1] == {b: 1}

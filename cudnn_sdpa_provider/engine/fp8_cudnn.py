@@ -24,6 +24,10 @@ _FWD_FACTORS = (UID.DESCALE_Q, UID.DESCALE_K, UID.DESCALE_V, UID.DESCALE_S, UID.
 _BWD_FACTORS = (UID.DESCALE_Q, UID.DESCALE_K, UID.DESCALE_V, UID.DESCALE_O, UID.DESCALE_DO, UID.DESCALE_S,
                 UID.DESCALE_DP, UID.SCALE_S, UID.SCALE_DQ, UID.SCALE_DK, UID.SCALE_DV, UID.SCALE_DP)
 _constants: dict = {}
+#: Causal backwards without a padding mask run one batch row at a time when B > 1: cuDNN 9.19's
+#: causal FP8 backward on sm_90 takes longer per batch row at B = 4 than four B = 1 calls
+#: (results/gpu-runs.md, run 70); the rows are views, the gradients the same values.
+ROW_SPLIT_CAUSAL = True
 
 
 def _constant(value: float, device) -> torch.Tensor:
@@ -120,6 +124,8 @@ def backward(grad_out, q, k, v, out, lse, descales, scales, seq_len_q, seq_len_k
 
     ``descales`` = (q, k, v, o, do) one-element fp32 tensors; ``scales`` (4,) fp32 [dq, dk, dv, ds]."""
     padded = seq_len_q is not None
+    if causal and not padded and q.shape[0] > 1 and ROW_SPLIT_CAUSAL:
+        return _by_rows(grad_out, q, k, v, out, lse, descales, scales, scale=scale, scale_s=scale_s)
     signature = ("fp8_bwd", q.device.index, tensor_key(grad_out), tensor_key(q), tensor_key(k), tensor_key(v),
                  tensor_key(out), tensor_key(lse), padded, scale, causal)
     found = bd.lookup(signature)
@@ -142,6 +148,21 @@ def backward(grad_out, q, k, v, out, lse, descales, scales, seq_len_q, seq_len_k
         for t, n in zip(results, (seq_len_q, seq_len_kv, seq_len_kv)):
             _zero_past(t, n.view(-1))
     return tuple(results) + (torch.cat([a.view(1) for a in amax]),)
+
+
+def _by_rows(grad_out, q, k, v, out, lse, descales, scales, *, scale: float, scale_s: float):
+    """``backward`` (causal, no padding mask) as one call per batch row, on views: each row's
+    gradients copied into buffers laid out as ``backward``'s own, amax the largest over the rows."""
+    grads = [layout.grad_like(t) for t in (q, k, v)]
+    amax = []
+    for i in range(q.shape[0]):
+        row = slice(i, i + 1)
+        *parts, row_amax = backward(grad_out[row], q[row], k[row], v[row], out[row], lse[row], descales, scales,
+                                    None, None, scale=scale, scale_s=scale_s, causal=True)
+        for g, part in zip(grads, parts):
+            g[row].view(torch.uint8).copy_(part.view(torch.uint8))
+        amax.append(row_amax)
+    return tuple(grads) + (torch.stack(amax).amax(dim=0),)
 
 
 def _bind_bwd(grad_out, q, k, v, out, lse, padded, scale, causal) -> Binding:
