@@ -565,9 +565,10 @@ def test_the_op_refuses_cu_seqlens_without_a_sequence(served, kernel):
 @pytest.mark.parametrize("token_major", [False, True])
 def test_a_causal_engine_backward_runs_one_batch_row_at_a_time(served, monkeypatch, token_major):
     """``fp8_cudnn.backward`` with the causal mask and B > 1 executes B graphs of one batch row (run
-    67: cuDNN's causal FP8 backward was slower per row at B = 4); the gradients are the whole-batch
-    call's bits in q, k and v's layouts, the amax the largest of the rows'. Without the mask one
-    whole-batch graph runs."""
+    70: cuDNN's whole-batch causal FP8 backward gave wrong dK at B = 4, and was slower). On the
+    stand-in, which computes every row right, the gradients are the whole-batch call's bits, in q,
+    k and v's layouts, and the amax the largest of the rows'. Without the mask one whole-batch
+    graph runs."""
     from cudnn_sdpa_provider.engine import fp8_cudnn
 
     gen = torch.Generator().manual_seed(3)
