@@ -355,6 +355,10 @@ def _known_issues_section() -> list[str]:
             "graph is built for a longer S than its call's). Where an issue's reach is unclear a row covers more "
             "than its reproducer. `cudnn-sdpa doctor` lists the rows that apply to its machine.", ""] + _table(
         ("issue", "cuDNN", "GPU", "covers", "what goes wrong"), rows) + [
+        "", "One more measured fault is worked around on cuDNN instead of by a row here: cuDNN 9.19's causal FP8 "
+        "backward over several batch rows gave wrong dK on sm_90 (run 70), so such a backward runs one cuDNN call "
+        "per batch row, which gave right answers "
+        "([docs/fp8.md](fp8.md#causal-backward-over-several-batch-rows-a-known-cudnn-issue)).",
         "", "pytorch/pytorch #196861 (cuDNN 9.26 in PyTorch, \"guards for failing <= 9.25.1 cases\", fixing "
         "pytorch/pytorch #196678) has no row: its public description does not say which cases it guards. The "
         "guards of torch 2.15's own cuDNN checks that apply to this package's graphs are the rules above."]
