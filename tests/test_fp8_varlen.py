@@ -605,3 +605,31 @@ def test_a_causal_engine_backward_runs_one_batch_row_at_a_time(served, monkeypat
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
     assert torch.equal(split[3], whole[3]) and bool((split[3] > 0).all())
     assert call(False)[1] == {b: 1}
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_a_causal_dense_fp8_attention_over_three_rows_runs_its_backward_by_rows(served, scaling):
+    """From bf16-like fp32 activations through ``csp.fp8.attention`` (the recipe's path, served on the
+    stand-in): a causal GQA call with B = 3 runs its backward as graphs of one batch row, and its
+    gradients stay within FP8's bounds of fp64 attention."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(3, 4, 24, 128, generator=gen)  # D 128: the sm_90 FP8 backward's head dim
+    k, v = (torch.randn(3, 2, 24, 128, generator=gen) for _ in range(2))
+    go = torch.randn(3, 4, 24, 128, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    recipe = fp8.Recipe(scaling=scaling)
+    for _ in range(2):  # the delayed recipe's second backward is its warm one
+        for t in leaves:
+            t.grad = None
+        before = {id(g): len(g.calls) for g in served}
+        out = fp8.attention(*leaves, is_causal=True, recipe=recipe)
+        out.backward(go)
+    ran = {g.key.q.dims[0] for g in served if g.key.backward and len(g.calls) > before.get(id(g), 0)}
+    assert ran == {1}, ran
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    want = torch.autograd.grad(want_out, ref, go.double())
+    assert rel_error(out.detach(), want_out.detach())[0] <= ATTN_FWD_TOL
+    for name, got, ref_grad in zip(("dq", "dk", "dv"), (t.grad for t in leaves), want):
+        err, worst = rel_error(got, ref_grad)
+        assert err <= ATTN_GRAD_TOL, f"{name}: {err:.4f} at {worst}"
