@@ -12,7 +12,7 @@ times each plan on those buffers: CUDA events around each execute, after warm-up
 output says whether a faster plan exists for that graph and by how much.
 
 ``--fp8 B,H_q,H_kv,S,D[,causal]`` (repeatable) does the same for the FP8 graphs of one
-``csp.fp8.attention`` forward+backward from bf16 randn inputs (delayed recipe), the backward as
+``csp.fp8.attention`` forward+backward from bf16 randn inputs (the default, current, recipe), the backward as
 one whole-batch graph (``fp8_cudnn.ROW_SPLIT_CAUSAL`` off). Timed executes
 reuse that call's buffers; the amax outputs accumulate across them, which changes no kernel's work.
 """
