@@ -51,6 +51,12 @@ def _operands(s: int):
             (token_major(32, 1, torch.float32), 4)]  # q, k, v, O, the LSE's scratch
 
 
+def _chunk_operands(module, ops):
+    """``chunk``'s operands in ``module``'s form: specs (``fold_values.spec``) since they exist,
+    (tensor, groups) pairs before."""
+    return [module.spec(t, g) for t, g in ops] if hasattr(module, "spec") else ops
+
+
 def _per_call(fn, n=50):
     start = time.perf_counter()
     for _ in range(n):
@@ -65,16 +71,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     base = _base_module(args.base)
     ops, cpu, s = _operands(750), torch.device("cpu"), 750
+    given = {name: _chunk_operands(m, ops) for name, m in (("base", base), ("checkout", fold_values))}
     times: dict = {}
     for _ in range(args.rounds):
-        for name, m in ((args.base, base), ("checkout", fold_values)):
-            blocks = m.chunk(ops, 8, 8, s, 1024, cpu, 0)
-            times.setdefault((name, "chunk"), []).append(_per_call(lambda: m.chunk(ops, 8, 8, s, 1024, cpu, 0)))
+        for name, m, o in ((args.base, base, given["base"]), ("checkout", fold_values, given["checkout"])):
+            blocks = m.chunk(o, 8, 8, s, 1024, cpu, 0)
+            times.setdefault((name, "chunk"), []).append(_per_call(lambda: m.chunk(o, 8, 8, s, 1024, cpu, 0)))
             times.setdefault((name, "_upload"), []).append(_per_call(lambda: m._upload({}, blocks, cpu)))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; us per call, median of {args.rounds} rounds of 50")
     for (name, what), values in sorted(times.items()):
         print(f"  {what:8s} {name:10s} {statistics.median(values):8.1f}")
-    was, now = base.chunk(ops, 8, 8, s, 1024, cpu, 0), fold_values.chunk(ops, 8, 8, s, 1024, cpu, 0)
+    was = base.chunk(given["base"], 8, 8, s, 1024, cpu, 0)
+    now = fold_values.chunk(given["checkout"], 8, 8, s, 1024, cpu, 0)
     same = [k for k, _ in was] == [k for k, _ in now] and all(torch.equal(a, b) for (_, a), (_, b) in zip(was, now))
     up_was, up_now = base._upload({}, was, cpu), fold_values._upload({}, now, cpu)
     same = same and up_was.keys() == up_now.keys() and all(

@@ -110,8 +110,9 @@ def case(name, make, start, causal, backward, n, top) -> None:
 
 
 _SEGMENTS = (("engine.dense", ("forward", "backward", "_rebound", "_fwd_family", "_bwd_family")),
-             ("engine.folded", ("bind_forward", "bind_backward", "rebind_forward", "run_forward", "run_backward",
-                                "_tensors", "_made", "_order")),
+             ("engine.folded", ("bind_forward", "bind_backward", "run_forward", "run_backward", "small_tensors",
+                                "made_at", "_order")),
+             ("engine.fold_family", ("rebind_forward", "rebind")),
              ("engine.fold_values", ("resolve", "_upload")),
              ("engine.binding", ("run",)),
              ("ops.route", ("call",)))

@@ -3,11 +3,12 @@
 What it measures: ``engine.dense.forward`` (the folded, length-bucketed path) on a decode call
 (S_q = 1, GQA) over a contiguous KV cache whose length grows by one each call (``--case decode``),
 or a causal prefill on token-major projections, forward and backward, at a new length each call
-(``--case prefill``, the bench's ``new_length`` prefill layout), against the same call repeated. The stand-in's execute is replaced by a no-op, so the time is the package's Python
+(``--case prefill``, the bench's ``new_length`` prefill layout; ``--case prefill_fwd`` the forward
+alone), against the same call repeated. The stand-in's execute is replaced by a no-op, so the time is the package's Python
 and torch's CPU bookkeeping only: no kernel, no upload to a GPU. It is the part of GPU run 58's
 first-call cost (0.319 ms against 0.125 ms repeated, an H100) that does not need a GPU to see.
 
-    python3 scripts/new_length_host_cpu.py [--case decode|prefill] [--lengths 100] [--rounds 3]
+    python3 scripts/new_length_host_cpu.py [--case decode|prefill|prefill_fwd] [--lengths 100] [--rounds 3]
 
 Prints the median over rounds of the mean time per new-length call and per repeated call, in us.
 Timings on a shared 2-core machine vary between runs: compare rows of one run.
@@ -38,7 +39,7 @@ class _Patch:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--case", choices=("decode", "prefill", "prefill_fwd"), default="decode")
     parser.add_argument("--lengths", type=int, default=100, help="new lengths per round")
     parser.add_argument("--rounds", type=int, default=3)
     a = parser.parse_args(argv)
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
         def run(args):
             q, k, v, go = args
             out, lse = dense.forward(q, k, v, scale=0.125, window=(-1, 0))
-            dense.backward(go, q, k, v, out, lse, scale=0.125, window=(-1, 0))
+            if a.case == "prefill":
+                dense.backward(go, q, k, v, out, lse, scale=0.125, window=(-1, 0))
 
     def timed(calls) -> float:
         t = time.perf_counter()

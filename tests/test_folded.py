@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cudnn_sdpa_provider.core import env, layout
-from cudnn_sdpa_provider.engine import dense, fold_values, folded, graphs
+from cudnn_sdpa_provider.engine import dense, fold_family, fold_values, folded, graphs
 from cudnn_sdpa_provider.engine.graphs import BwdKey, FwdKey
 from cudnn_sdpa_provider.ops import reference
 from tests import fake_cudnn
@@ -128,7 +128,7 @@ def test_decode_over_a_growing_cache_builds_one_graph_per_doubling(fake):
 @pytest.mark.parametrize("kind", ["contiguous", "token_major", "head_slice"])
 def test_a_new_decode_length_rebinds_from_its_family_s_template(fake, monkeypatch, kind):
     """Decode over a growing cache (GQA 8/2, window (3, 0) bottom-right): the first length of each
-    bucket binds in full, every later one is derived from that binding (``folded.rebind_forward``:
+    bucket binds in full, every later one is derived from that binding (``fold_family.rebind_forward``:
     same graph, new lengths and offsets); a K/V layout whose strides do not follow from S (a
     head-dim slice) binds every length in full. Answers match fp64 at every length, rebinds and
     full binds alike."""
@@ -146,15 +146,19 @@ def test_a_new_decode_length_rebinds_from_its_family_s_template(fake, monkeypatc
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
 def test_a_new_prefill_length_binds_with_its_family_s_graph_which_is_the_one_its_key_finds(fake, monkeypatch, kind,
                                                                                            heads):
     """Causal prefill, forward and backward, at every length of the (16, 32] bucket: after the first,
-    each binds with its family's graph without building its key (``folded.family``); for every one
-    of them the key a full bind builds finds that same graph, and answers and gradients match fp64.
+    each binds with its family's graph without building its key (``fold_family.family``): derived from
+    the template by arithmetic (``fold_family.rebind``) where every operand has its layout's exact
+    strides, else bound with the template's graph; either way equal to what a full bind with its
+    own key makes (``_lengths_checked``, or the same graph), and answers and gradients match fp64.
     Layouts whose strides do not follow from S (a fused K/V projection, a head-dim slice) bind in
-    full every time."""
+    full every time; token-major K/V with one head has a size-1 head dim whose stride is not the
+    BHSD one its ``layout_of`` says, so it binds with the template's graph instead."""
     seen = {"family": 0, "full": 0}
+    _lengths_checked(monkeypatch, seen)
     for name in ("bind_forward", "bind_backward"):
         real = getattr(folded, name)
 
@@ -173,14 +177,39 @@ def test_a_new_prefill_length_binds_with_its_family_s_graph_which_is_the_one_its
         q, k, v = _operands(kind, 2, heads[0], heads[1], s, s, 8, gen)
         _check(q, k, v, torch.randn(2, s, heads[0], 8, generator=gen).transpose(1, 2), window=(-1, 0))
     predictable = kind in ("contiguous", "token_major", "mixed")
-    assert seen == ({"family": 28, "full": 2} if predictable else {"family": 0, "full": 30}), seen
+    exact = predictable and not (kind == "token_major" and heads[1] == 1)
+    want = {"family": 0, "full": 2, "lengths": 28} if exact else {"family": 28, "full": 2, "lengths": 0}
+    assert seen == (want if predictable else {"family": 0, "full": 30, "lengths": 0}), seen
+    assert sum(g.key.ragged for g in fake) == 2, "one forward and one backward graph"
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "token_major", "mixed"])
+@pytest.mark.parametrize("b,heads,d_v", [(1, (4, 2), 8), (2, (4, 4), 16), (2, (4, 2), 8), (1, (4, 1), 16)])
+def test_bindings_derived_at_new_lengths_equal_full_binds(fake, monkeypatch, kind, b, heads, d_v):
+    """Chunked prefill (S_q < S_kv, bottom-right causal) and self-attention at lengths inside one
+    pair of buckets, forward and backward, V's head dim equal to Q's or not: every binding after the
+    first is derived from its template by arithmetic (``fold_family.rebind``) and equals, value for value,
+    the one a full bind of the same call makes (``_lengths_checked``); answers and gradients match
+    fp64 with native's strides."""
+    hits = {}
+    _lengths_checked(monkeypatch, hits)
+    gen = torch.Generator().manual_seed(26)
+    pairs = [(9, 20), (12, 20), (9, 27), (15, 31), (10, 18)]  # buckets (16, 32) throughout
+    for s_q, s_kv in pairs:
+        q, k, _ = _operands(kind, b, heads[0], heads[1], s_q, s_kv, 8, gen)
+        _, _, v = _operands(kind, b, heads[0], heads[1], s_q, s_kv, d_v, gen)
+        go = torch.randn(b, s_q, heads[0], d_v, generator=gen).transpose(1, 2)
+        _check(q, k, v, go, window=(-1, 0), bottom_right=True)
+    single = kind == "token_major" and heads[1] == 1  # a size-1 head dim's stride: not derived
+    assert hits["lengths"] == (0 if single else 2 * (len(pairs) - 1)), hits
     assert sum(g.key.ragged for g in fake) == 2, "one forward and one backward graph"
 
 
 def test_families_of_other_layouts_in_one_bucket_keep_their_own_graphs(fake, monkeypatch):
     """BHSD and token-major operands alternating inside one bucket: each prefill call's family finds
-    a graph whose key is its own (the families differ by layout); decode calls, derived by
-    ``rebind_forward``, are checked by their answers."""
+    a graph whose key is its own (the families differ by layout; ``fold_family.rebind`` derives them,
+    each checked against a full bind); decode calls, derived by ``rebind_forward``, are checked by
+    their answers."""
     plans = []
     real = folded.bind_forward
 
@@ -192,6 +221,15 @@ def test_families_of_other_layouts_in_one_bucket_keep_their_own_graphs(fake, mon
         return real(*a, **kw)
 
     monkeypatch.setattr(folded, "bind_forward", checked)
+    _lengths_checked(monkeypatch, {})
+    derive = fold_family.rebind
+
+    def derived(*a, **kw):
+        found = derive(*a, **kw)
+        plans.extend([found.plan] if found is not None else [])
+        return found
+
+    monkeypatch.setattr(fold_family, "rebind", derived)
     gen = torch.Generator().manual_seed(21)
     for s in range(17, 27):
         for kind in ("contiguous", "token_major"):
@@ -219,14 +257,57 @@ def _family_checked(monkeypatch) -> dict:
             return real(*a, **kw)
 
         monkeypatch.setattr(folded, name, checked)
-    real_rebind, real_bind = folded.rebind_forward, folded.bind_forward
+    real_rebind, real_bind = fold_family.rebind_forward, folded.bind_forward
 
     def rebind(template, q, k, v, *, window, bottom_right):
         hits["rebind"] += 1
         return real_rebind(template, q, k, v, window=window, bottom_right=bottom_right)
 
-    monkeypatch.setattr(folded, "rebind_forward", rebind)
+    monkeypatch.setattr(fold_family, "rebind_forward", rebind)
+    _lengths_checked(monkeypatch, hits)
     return hits
+
+
+def _lengths_checked(monkeypatch, hits: dict) -> None:
+    """Wrap ``fold_family.rebind`` (a binding at new lengths derived from its template by arithmetic):
+    each binding it derives must equal, field by field and value by value, the one a full bind of
+    the same call makes with its own key (``_same_binding``); counts them in ``hits["lengths"]``."""
+    real, fwd, bwd = fold_family.rebind, folded.bind_forward, folded.bind_backward
+    hits.setdefault("lengths", 0)
+
+    def checked(template, callers, q, k, *, window, bottom_right):
+        got = real(template, callers, q, k, window=window, bottom_right=bottom_right)
+        if got is None:
+            return None
+        hits["lengths"] += 1
+        key = template.plan.graph.key
+        opts = dict(scale=key.scale, window=window, bottom_right=bottom_right, build=False)
+        if isinstance(key, FwdKey):
+            want = fwd(*callers, compute_lse=key.lse is not None, **opts)
+        else:
+            want = bwd(*callers, deterministic=False, **opts)
+        _same_binding(got, want, f"{type(key).__name__} at S_q={q.shape[2]} S_kv={k.shape[2]}")
+        return got
+
+    monkeypatch.setattr(fold_family, "rebind", checked)
+
+
+def _same_binding(got, want, what: str) -> None:
+    """Two folded bindings that run the same: one graph, uids, copies, outputs, scratch choices, and
+    device tensors (lengths, offsets) and dead rows of equal values."""
+    assert want is not None and got.plan is want.plan, f"{what}: not the graph the call's key finds"
+    for field in ("uids", "repair", "direct", "fix"):
+        assert getattr(got, field) == getattr(want, field), f"{what}: {field}"
+    norm = lambda outputs: tuple((tuple(size), tuple(stride)) for size, stride in outputs)  # noqa: E731
+    assert norm(got.outputs) == norm(want.outputs), f"{what}: outputs {got.outputs} != {want.outputs}"
+    mine = {key: value for key, value in got.extra.items() if key not in ("made", "tensors", "dead")}
+    theirs = {key: value for key, value in want.extra.items() if key not in ("made", "tensors", "dead")}
+    assert mine == theirs, f"{what}: extra"
+    assert len(got.extra["tensors"]) == len(want.extra["tensors"]), what
+    for i, (a, b) in enumerate(zip(got.extra["tensors"], want.extra["tensors"])):
+        assert a.shape == b.shape and torch.equal(a, b), f"{what}: small tensor {i}: {a.flatten()} != {b.flatten()}"
+    a, b = got.extra["dead"], want.extra["dead"]
+    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: dead rows"
 
 
 @pytest.mark.parametrize("change", ["scale", "window", "bottom_right", "compute_lse", "bucket", "misaligned"])
@@ -262,7 +343,7 @@ def test_a_call_that_differs_in_one_keyed_field_never_takes_another_family_s_tem
                                            compute_dtype=torch.float64)
             for got, r, name in zip((dq, dk, dv), ref, ("dq", "dk", "dv")):
                 assert_rel_close(got, r, TOL, f"{change}: {name}")
-    assert hits == {"fwd": 0, "bwd": 0, "rebind": 0}, hits
+    assert hits == {"fwd": 0, "bwd": 0, "rebind": 0, "lengths": 0}, hits
 
 
 def test_a_decode_rebind_gives_k_and_v_their_own_offsets(fake, monkeypatch):
@@ -289,7 +370,7 @@ def test_no_template_is_taken_while_a_cuda_graph_is_captured(fake, monkeypatch):
     for s_q in (1, 18):
         dense.forward(*_operands("contiguous" if s_q == 1 else "token_major", 2, 8 if s_q == 1 else 4, 2, s_q, 18, 8,
                                  gen), scale=0.3, window=(-1, 0) if s_q > 1 else (-1, -1), compute_lse=s_q > 1)
-    assert hits == {"fwd": 0, "bwd": 0, "rebind": 0}, hits
+    assert hits == {"fwd": 0, "bwd": 0, "rebind": 0, "lengths": 0}, hits
 
 
 def test_a_rebind_defers_to_a_full_bind_on_another_stream_or_with_the_fold_off(fake, monkeypatch):
@@ -301,7 +382,7 @@ def test_a_rebind_defers_to_a_full_bind_on_another_stream_or_with_the_fold_off(f
     gen = torch.Generator().manual_seed(19)
     calls = lambda s_kv: dense.forward(*_operands("contiguous", 2, 8, 2, 1, s_kv, 8, gen), scale=0.3,  # noqa: E731
                                        compute_lse=False)
-    monkeypatch.setattr(folded, "_made", lambda device, dead=None: (folded.fv.stream_of(device), "event"))  # CUDA
+    monkeypatch.setattr(folded, "made_at", lambda device, dead=None: (folded.fv.stream_of(device), "event"))  # CUDA
     calls(20)
     monkeypatch.setattr(folded.fv, "stream_of", lambda device: 5)
     calls(21)  # another stream: a full bind, which becomes the template
@@ -376,7 +457,7 @@ def test_a_family_s_graph_is_not_taken_where_k_or_v_offsets_would_overflow_int32
     gen = torch.Generator().manual_seed(22)
     q, k, v = _operands("contiguous", 2, 8, 2, 1, 17, 8, gen)
     dense.forward(q, k, v, scale=0.3, compute_lse=False)  # the template; K's end 2 * 2 * 17 * 8
-    monkeypatch.setattr(folded, "_INT32_MAX", 700)
+    monkeypatch.setattr(folded, "INT32_MAX", 700)
     q, k, v = _operands("contiguous", 2, 8, 2, 1, 30, 8, gen)  # K's end 960
     out, _ = dense.forward(q, k, v, scale=0.3, compute_lse=False)
     assert not fake[-1].key.ragged, "past int32: the exact graph"
@@ -386,7 +467,7 @@ def test_a_family_s_graph_is_not_taken_where_k_or_v_offsets_would_overflow_int32
     meta = lambda shape, stride: torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)  # noqa: E731
     qm = meta((1, 4, 9, 8), (288, 8, 32, 1))  # token-major: small ends
     huge = meta((1, 2, 9, 8), (2**31, 2**30, 8, 1))  # one batch row, KV heads 2**30 elements apart
-    monkeypatch.setattr(folded, "_INT32_MAX", 2**31 - 1)
+    monkeypatch.setattr(folded, "INT32_MAX", 2**31 - 1)
     assert folded.bind_forward(qm, huge, huge, scale=0.3, window=(-1, -1), bottom_right=False, compute_lse=False,
                                plan=object()) is None
 
@@ -573,7 +654,7 @@ def test_a_backward_on_another_thread_uploads_its_chunk_once(fake, monkeypatch):
 
 
 def test_a_binding_takes_the_event_of_its_threads_latest_upload(monkeypatch):
-    """``folded._made``: a binding whose small tensors all came from the value cache takes the event
+    """``folded.made_at``: a binding whose small tensors all came from the value cache takes the event
     recorded after this thread's latest upload on its stream (``fold_values.upload_mark``), which
     every kept tensor precedes; a binding holding a tensor a kernel just made (its dead rows), or a
     stream with no upload yet, records a new event."""
@@ -588,17 +669,17 @@ def test_a_binding_takes_the_event_of_its_threads_latest_upload(monkeypatch):
     monkeypatch.setattr(fold_values, "stream_of", lambda device: 7)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fold_values._tls, "marks", {}, raising=False)
-    stream, first = folded._made(cuda)
+    stream, first = folded.made_at(cuda)
     assert stream == 7 and recorded == [first], "no upload yet: a new event"
     mark = _Event()
     fold_values._tls.marks[(cuda, 7)] = mark
-    assert folded._made(cuda) == (7, mark) and len(recorded) == 1, "the latest upload's event, none recorded"
-    stream, fresh = folded._made(cuda, torch.zeros(1, 1, 4, 1, dtype=torch.bool))
+    assert folded.made_at(cuda) == (7, mark) and len(recorded) == 1, "the latest upload's event, none recorded"
+    stream, fresh = folded.made_at(cuda, torch.zeros(1, 1, 4, 1, dtype=torch.bool))
     assert fresh is not mark and recorded[-1] is fresh, "a kernel-made dead-row mask: a new event after it"
-    assert folded._made(cuda, True) == (7, mark), "a padded binding's dead entry (True) is no tensor"
+    assert folded.made_at(cuda, True) == (7, mark), "a padded binding's dead entry (True) is no tensor"
     monkeypatch.setattr(fold_values, "stream_of", lambda device: 8)
-    assert folded._made(cuda)[1] is not mark, "another stream's uploads do not cover this one"
-    assert folded._made(torch.device("cpu")) is None
+    assert folded.made_at(cuda)[1] is not mark, "another stream's uploads do not cover this one"
+    assert folded.made_at(torch.device("cpu")) is None
 
 
 def _capture_calls(monkeypatch, fn):
@@ -736,6 +817,27 @@ def test_a_recurring_prefill_shape_gives_way_to_its_exact_graph(fake, monkeypatc
     assert {type(key) for key in keys[2:]} == {FwdKey, BwdKey} and keys[2].q.dims[2] == 13
 
 
+def test_a_binding_derived_at_a_new_length_counts_its_own_calls_toward_promotion(fake, monkeypatch):
+    """A template one call short of promotion, then a new length derived from it (``fold_family.rebind``):
+    the new length starts its own count (the template's count is its own shape's), so it stays
+    folded until its own PROMOTE_AFTER-th call."""
+    monkeypatch.setattr(dense, "PROMOTE_AFTER", 3)
+    hits = {}
+    _lengths_checked(monkeypatch, hits)
+    gen = torch.Generator().manual_seed(22)
+    go = lambda s: torch.randn(2, 4, s, 8, generator=gen)  # noqa: E731
+    q, k, v = _operands("token_major", 2, 4, 2, 13, 13, 8, gen)
+    for _ in range(2):
+        _check(q, k, v, go(13), window=(-1, 0))
+    q, k, v = _operands("token_major", 2, 4, 2, 14, 14, 8, gen)
+    _check(q, k, v, go(14), window=(-1, 0))
+    assert hits["lengths"] == 2 and [g.key.ragged for g in fake] == [True, True], (hits, fake)
+    _check(q, k, v, go(14), window=(-1, 0))
+    assert [g.key.ragged for g in fake] == [True, True], "promoted on another shape's count"
+    _check(q, k, v, go(14), window=(-1, 0))
+    assert [g.key.ragged for g in fake] == [True, True, False, False], "its own third call promotes"
+
+
 def test_decode_and_the_forced_mode_never_leave_the_fold(fake, monkeypatch):
     monkeypatch.setattr(dense, "PROMOTE_AFTER", 2)
     gen = torch.Generator().manual_seed(22)
@@ -849,9 +951,9 @@ def test_a_chunk_keeps_no_offsets_past_int32_and_no_block_past_its_size(monkeypa
     (each length then uploads its own). A reviewer's case: B 1864134, H 1, S 9 of a 16-length chunk."""
     t = torch.empty(1864134, 1, 9, 128, dtype=torch.float16, device="meta")
     cpu = torch.device("cpu")
-    assert fold_values.chunk([(t, 1)], t.shape[0], 1, 9, 16, cpu, 0) == []
+    assert fold_values.chunk([fold_values.spec(t, 1)], t.shape[0], 1, 9, 16, cpu, 0) == []
     monkeypatch.setattr(fold_values, "BLOCK_VALUES", 1 << 40)
-    (len_keys, lens), (keys, rows) = fold_values.chunk([(t, 1)], t.shape[0], 1, 9, 16, cpu, 0)
+    (len_keys, lens), (keys, rows) = fold_values.chunk([fold_values.spec(t, 1)], t.shape[0], 1, 9, 16, cpu, 0)
     assert len(len_keys) == 16 and 0 < len(keys) < 16 and rows.dtype == torch.int32
     for key, row in zip(keys, rows):
         n, h_kv, sb, sg = key[3:]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import binding as bd
-from . import folded
+from . import fold_family, folded
 from ..core import layout, rows
 from ..core.errors import NotSupportedError
 from .binding import Binding, tensor_key
@@ -238,15 +238,15 @@ def _try_fold(foldable: bool, s_q: int, s_kv: int, device, bind):
 def _fwd_family(q, k, v, bias, sinks, seq_len_q, dropout_p, rng_dump, scale, window, bottom_right, compute_lse):
     """The key under which a folded forward binding serves as the template of the same call at other
     lengths of its buckets, or None: options the fold does not take, or a layout whose strides do
-    not follow from S. Decode keys the query exactly (``folded.decode_family``: only the KV length
-    changes); a longer query by its family and bucket (``folded.family``)."""
+    not follow from S. Decode keys the query exactly (``fold_family.decode_family``: only the KV length
+    changes); a longer query by its family and bucket (``fold_family.family``)."""
     if bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 or rng_dump is not None \
             or min(q.shape[2], k.shape[2]) == 0:  # empty: ``folded.applies`` refuses it
         return None
     if q.shape[2] == 1:
-        family, query = folded.decode_family(q, k, v), tensor_key(q)
+        family, query = fold_family.decode_family(q, k, v), tensor_key(q)
     else:
-        family = folded.family(q, k, v)
+        family = fold_family.family(q, k, v)
         query = (folded.seqlen_bucket(q.shape[2]), folded.seqlen_bucket(k.shape[2]))
     if family is None:
         return None
@@ -264,18 +264,18 @@ def _template(family, s_q: int, s_kv: int, device):
 
 def _rebound(family, q, k, v, scale, window, bottom_right, compute_lse):
     """A forward's binding at new lengths from its family's template, or None (no template, or the
-    fold declines: a full bind decides). Decode derives it (``folded.rebind_forward``: new KV
-    lengths and offsets); a longer query binds with the template's graph, without building or
-    looking up its key. (GPU run 58: a first call at a new decode length took 0.32 ms against the
-    repeated call's 0.125 ms; on the CPU tier, most of that difference was the Python of a full
-    bind.)"""
+    fold declines: a full bind decides). Decode derives it (``fold_family.rebind_forward``: new KV
+    lengths and offsets); a longer query too where its operands have their layout's exact strides
+    (``fold_family.rebind``), else it binds with the template's graph, without building or looking up
+    its key. (GPU run 58: a first call at a new decode length took 0.32 ms against the repeated
+    call's 0.125 ms; on the CPU tier, most of that difference was the Python of a full bind.)"""
     template = _template(family, q.shape[2], k.shape[2], q.device)
     if template is None:
         return None
     if q.shape[2] == 1:
-        return folded.rebind_forward(template, q, k, v, window=window, bottom_right=bottom_right)
-    return folded.bind_forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right,
-                               compute_lse=compute_lse, plan=template.plan)
+        return fold_family.rebind_forward(template, q, k, v, window=window, bottom_right=bottom_right)
+    return fold_family.rebind(template, (q, k, v), q, k, window=window, bottom_right=bottom_right) or folded.bind_forward(
+        q, k, v, scale=scale, window=window, bottom_right=bottom_right, compute_lse=compute_lse, plan=template.plan)
 
 
 def _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window, bottom_right,
@@ -307,7 +307,7 @@ def _bwd_family(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale
     if deterministic or bias is not None or sinks is not None or seq_len_q is not None or dropout_p > 0.0 \
             or min(q.shape[2], k.shape[2]) == 0:
         return None
-    family = folded.family(grad_out, q, k, v, out)
+    family = fold_family.family(grad_out, q, k, v, out)
     if family is None:
         return None
     buckets = (folded.seqlen_bucket(q.shape[2]), folded.seqlen_bucket(k.shape[2]))
@@ -358,7 +358,8 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         family = _bwd_family(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window, bottom_right,
                              deterministic)
         template = _template(family, q.shape[2], k.shape[2], q.device)
-        found = None if template is None else folded.bind_backward(
+        found = None if template is None else fold_family.rebind(
+            template, (grad_out, q, k, v, out), q, k, window=window, bottom_right=bottom_right) or folded.bind_backward(
             grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right, deterministic=False,
             plan=template.plan)
         if found is None:

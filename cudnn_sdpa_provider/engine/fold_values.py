@@ -30,7 +30,8 @@ import torch
 from ..core import layout
 
 __all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "BLOCK_VALUES", "stream_of", "upload_mark", "fold_strides", "length_key",
-           "length_request", "offsets_request", "operand", "resolve", "ahead", "chunk", "kept", "clear", "layout_of"]
+           "length_request", "offsets_request", "operand", "operand_at", "resolve", "ahead", "chunk", "kept", "clear",
+           "layout_of", "strides", "spec"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
 #: eviction frees nothing a binding still needs.
@@ -109,11 +110,21 @@ def offsets_request(t: torch.Tensor, h_kv: int, groups: int, stream: int):
 def operand(t: torch.Tensor, h_kv: int, groups: int, stream: int):
     """(end, request): the element one past the last that ``t``'s folds reach from its base (the
     ragged offsets are int32: callers check it), and ``offsets_request``'s (key, values)."""
-    shape, stride = t.shape, t.stride()
-    sb, sg = fold_strides(shape, stride, t.element_size(), h_kv, groups)
+    return _operand(t.shape, t.stride(), t.element_size(), h_kv, groups, t.device, stream)
+
+
+def operand_at(spec: tuple, s: int, h_kv: int, device, stream: int):
+    """``operand``'s (end, request) for the operand that ``spec`` (``spec``) describes, at length
+    ``s``, from arithmetic alone: no tensor is made or looked at."""
+    kind, b, h, d, item, groups = spec
+    return _operand((b, h, s, d), strides(kind, h, s, d), item, h_kv, groups, device, stream)
+
+
+def _operand(shape, stride, item: int, h_kv: int, groups: int, device, stream: int):
+    sb, sg = fold_strides(shape, stride, item, h_kv, groups)
     n = shape[0] * h_kv
     end = shape[0] * sb + (shape[1] - 1) * stride[1] + (shape[2] - 1) * stride[2] + (shape[3] - 1) * stride[3] + 1
-    return end, (_offsets_key(t.device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg)))
+    return end, (_offsets_key(device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg)))
 
 
 def _offsets(n: int, h_kv: int, sb: int, sg: int) -> list:
@@ -139,9 +150,16 @@ def layout_of(t: torch.Tensor) -> str | None:
     return None
 
 
-def _strides(kind: str, h: int, s: int, d: int) -> tuple:
-    """The strides of an (B, h, s, d) tensor of layout ``kind`` (``layout_of``)."""
+def strides(kind: str, h: int, s: int, d: int) -> tuple:
+    """The strides of a dense (B, h, s, d) tensor of layout ``kind`` (``layout_of``)."""
     return (h * s * d, s * d, d, 1) if kind == "bhsd" else (s * h * d, d, h * d, 1)
+
+
+def spec(t: torch.Tensor, groups: int) -> tuple | None:
+    """(layout, B, H, D, element size, groups) of an operand whose strides follow from its length
+    (``layout_of``), or None: what ``operand_at`` and ``chunk`` compute its offsets at any length from."""
+    kind = layout_of(t)
+    return None if kind is None else (kind, t.shape[0], t.shape[1], t.shape[3], t.element_size(), groups)
 
 
 def ahead(kv: tuple, n: int, h_kv: int, s_kv: int, bucket: int, device, stream: int) -> list:
@@ -149,35 +167,33 @@ def ahead(kv: tuple, n: int, h_kv: int, s_kv: int, bucket: int, device, stream: 
     of them, inside ``bucket``): their lengths, and the offsets of each K/V tensor whose strides
     follow from its length (``resolve`` uploads them with its requests)."""
     lengths = list(range(s_kv + 1, min(s_kv + AHEAD, bucket) + 1))
-    return _blocks(lengths, [(t, 1) for t in kv], n, h_kv, device, stream)
+    return _blocks(lengths, [spec(t, 1) for t in kv], n, h_kv, device, stream)
 
 
-def chunk(operands, n: int, h_kv: int, s: int, bucket: int, device, stream: int) -> list:
+def chunk(specs, n: int, h_kv: int, s: int, bucket: int, device, stream: int) -> list:
     """Blocks of every length of ``s``'s chunk (the ``CHUNK`` lengths ``c * CHUNK + 1 ..
     (c + 1) * CHUNK`` that hold ``s``, inside ``bucket``): their lengths, and the offsets of each
-    (tensor, groups) operand whose strides follow from its length, with S_q = S_kv = that length
+    operand of ``specs`` (``spec``; None entries are left out), with S_q = S_kv = that length
     (self-attention: prefill, training). Uploaded when a binding misses ``s``'s lengths, so later
     lengths of the chunk, in any order, upload nothing."""
     lo = (s - 1) // CHUNK * CHUNK + 1
-    return _blocks(list(range(lo, min(lo + CHUNK - 1, bucket) + 1)), operands, n, h_kv, device, stream)
+    return _blocks(list(range(lo, min(lo + CHUNK - 1, bucket) + 1)), specs, n, h_kv, device, stream)
 
 
-def _blocks(lengths: list, operands, n: int, h_kv: int, device, stream: int) -> list:
-    """The lengths block of ``lengths`` and one offsets block per distinct (tensor, groups) operand
-    whose layout ``layout_of`` knows, each row that operand's offsets at that length. None where
-    the rows would pass ``BLOCK_VALUES`` values (so many folds: each length then uploads its own)."""
+def _blocks(lengths: list, specs, n: int, h_kv: int, device, stream: int) -> list:
+    """The lengths block of ``lengths`` and one offsets block per distinct operand of ``specs``
+    (None entries left out), each row that operand's offsets at that length. None where the rows
+    would pass ``BLOCK_VALUES`` values (so many folds: each length then uploads its own)."""
     if not lengths or len(lengths) * (n + 1) > BLOCK_VALUES:
         return []
     blocks = [([length_key(n, s, device, stream) for s in lengths],
                torch.tensor(lengths, dtype=torch.int32)[:, None].expand(len(lengths), n))]
     seen = set()
-    for t, groups in operands:
-        kind = layout_of(t)
-        if kind is None:
+    for op in specs:
+        if op is None:
             continue
-        b, h, _, d = t.shape
-        item = t.element_size()
-        pair = lambda s: fold_strides((b, h, s, d), _strides(kind, h, s, d), item, h_kv, groups)  # noqa: E731
+        kind, b, h, d, item, groups = op
+        pair = lambda s: fold_strides((b, h, s, d), strides(kind, h, s, d), item, h_kv, groups)  # noqa: E731
         first = _offsets_key(device, stream, n, h_kv, *pair(lengths[0]))
         if first in seen:
             continue  # another operand with the same strides (K and V, Q and O): the same rows

@@ -19,8 +19,11 @@ build on an H200). Folding removes S from everything the graph declares:
 
 So one forward and one backward graph per (configuration, S_q bucket, S_kv bucket) serve every
 length in the bucket. A decode call at a new KV length whose K and V are contiguous BHSD or
-token-major (a growing cache) is bound from the first binding of its bucket (``decode_family``,
-``rebind_forward``): the same graph, uids and outputs; only the KV length's small tensors are new.
+token-major (a growing cache) is bound from the first binding of its bucket (``fold_family``):
+the same graph, uids and outputs; only the KV length's small tensors are new. A longer query
+(prefill, training) and its backward at a new length inside its buckets are derived from their
+family's first binding too when every operand has its layout's exact strides (``lengths_form``):
+the outputs' strides and the offsets follow from the lengths, so no tensor is made to find them.
 The LSE is (B, H, S_q, 1) contiguous as on the exact path: written in place where its strides do
 not depend on S (G == 1 or S_q == 1), else token-major and copied; the backward reads it padded
 to the bucket, (B, H, S_b, 1) (cuDNN < 9.26 misreads non-packed stats).
@@ -49,10 +52,11 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "VERIFIED", "verified", "verified_on", "capturing", "applies", "bind_forward",
-           "family", "decode_family", "rebind_forward", "run_forward", "bind_backward", "run_backward"]
+__all__ = ["seqlen_bucket", "mode", "VERIFIED", "INT32_MAX", "verified", "verified_on", "capturing", "applies",
+           "made_at", "dead_rows", "lengths_form", "small_tensors", "bind_forward", "run_forward", "bind_backward",
+           "run_backward"]
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 
 def seqlen_bucket(n: int) -> int:
@@ -107,7 +111,7 @@ def applies(q, k, v, *, bias=None, sinks=None, seq_len_q=None, seq_len_kv=None, 
     if not all(_aligned(t) for t in (k, v)) or not _aligned(q):
         return False
     groups = q.shape[1] // k.shape[1]
-    return max(_end(q, k.shape[1], groups), _end(k, k.shape[1], 1), _end(v, v.shape[1], 1)) <= _INT32_MAX
+    return max(_end(q, k.shape[1], groups), _end(k, k.shape[1], 1), _end(v, v.shape[1], 1)) <= INT32_MAX
 
 
 #: (compute capability, lowest cuDNN, highest cuDNN) where the folded graphs passed the GPU sweeps
@@ -171,7 +175,7 @@ def _kv_desc(t: torch.Tensor, n: int, s_b: int) -> Desc:
     return _desc((n, 1, s_b, t.shape[3]), (0, 0, t.stride(2), 1), t.dtype)
 
 
-def _made(device, dead=None):
+def made_at(device, dead=None):
     """(stream, event) marking where a new binding's device tensors were uploaded (``_order``); None
     off CUDA. Every tensor a binding holds from the value cache was uploaded on its stream by this
     thread (the cache is kept per thread and per stream), at or before this thread's latest upload
@@ -216,7 +220,7 @@ def _q_target(out: torch.Tensor, groups: int) -> torch.Tensor:
     return out if _q_like_ok(out, groups) and layout.usable(out) else _token_major(out)
 
 
-def _dead(s_q: int, s_kv: int, window, bottom_right: bool, device):
+def dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, device):
     return rows.dead_rows(s_q, s_kv, window, bottom_right, device=device)
 
 
@@ -232,21 +236,22 @@ def _lse_target(b: int, h: int, s_q: int, groups: int, device) -> tuple[torch.Te
 # ---------------------------------------------------------------------------------------- forward
 
 
-def _tensors(wanted: list, device, stream, decode=None, chunk=None) -> tuple:
+def small_tensors(wanted: list, device, stream, decode=None, chunk=None) -> tuple:
     """The binding's small device tensors in ``wanted``'s order, in one upload for those not kept
     (``fold_values``). ``decode``, (k, v, n, H_kv, S_kv): a decode forward's; when its KV length is
-    not kept, the next lengths' are uploaded too (``fold_values.ahead``). ``chunk``, (operands, n,
-    H_kv, S): a self-attention forward's or backward's (S_q = S_kv = S, operands (tensor, groups));
-    when its length is not kept, every length of its chunk is uploaded too (``fold_values.chunk``)."""
+    not kept, the next lengths' are uploaded too (``fold_values.ahead``). ``chunk``, (specs, n,
+    H_kv, S): a self-attention forward's or backward's (S_q = S_kv = S, its operands'
+    ``fold_values.spec``); when its length is not kept, every length of its chunk is uploaded too
+    (``fold_values.chunk``)."""
     blocks = ()
     if decode is not None:
         k, v, n, h_kv, s_kv = decode
         if fv.length_key(n, s_kv, device, stream) not in fv.kept():
             blocks = fv.ahead((k, v), n, h_kv, s_kv, seqlen_bucket(s_kv), device, stream)
     elif chunk is not None:
-        operands, n, h_kv, s = chunk
+        specs, n, h_kv, s = chunk
         if fv.length_key(n, s, device, stream) not in fv.kept():
-            blocks = fv.chunk(operands, n, h_kv, s, seqlen_bucket(s), device, stream)
+            blocks = fv.chunk(specs, n, h_kv, s, seqlen_bucket(s), device, stream)
     found = fv.resolve(wanted, device, blocks)
     return tuple(found[key] for key, _ in wanted)
 
@@ -268,9 +273,11 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
     uids = (UID.Q, UID.K, UID.V, UID.O) + ((UID.LSE,) if compute_lse else ()) + (
         UID.SEQ_Q, UID.SEQ_KV, UID.RAG_Q, UID.RAG_K, UID.RAG_V, UID.RAG_O) + ((UID.RAG_LSE,) if compute_lse else ())
     stream = fv.stream_of(q.device)
-    (e_q, r_q), (e_k, r_k), (e_v, r_v), (e_o, r_o), (e_l, r_l) = (
-        fv.operand(t, h_kv, g, stream) for t, g in ((qr, groups), (k, 1), (v, 1), (out_buf, groups), (lse_buf, groups)))
-    if max(e_q, e_o, e_l) > _INT32_MAX or plan is not None and max(e_k, e_v) > _INT32_MAX:
+    operands = [(qr, groups), (k, 1), (v, 1), (out_buf, groups)] + ([(lse_buf, groups)] if compute_lse else [])
+    ops = [fv.operand(t, h_kv, g, stream) for t, g in operands]
+    (e_q, r_q), (e_k, r_k), (e_v, r_v), (e_o, r_o) = ops[:4]
+    e_l = ops[4][0] if compute_lse else 0
+    if max(e_q, e_o, e_l) > INT32_MAX or plan is not None and max(e_k, e_v) > INT32_MAX:
         return None  # int32 ragged offsets: the exact graph (``applies`` checked K and V for a full bind)
     if plan is None:
         key = FwdKey(device=q.device.index, q=_q_desc(qr, n, groups, sq_b), k=_kv_desc(k, n, skv_b),
@@ -280,71 +287,48 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
         plan = bd.graphs.plan(key) if build else bd.graphs.cached(key)
         if plan is None:
             return None
-    wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream),
-              r_q, r_k, r_v, r_o] + ([r_l] if compute_lse else [])
+    wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
+    wanted += [request for _, request in ops]
     decode = (k, v, n, h_kv, s_kv) if s_q == 1 else None
-    chunk = ([(qr, groups), (k, 1), (v, 1), (out_buf, groups), (lse_buf, groups)], n, h_kv, s_q) \
-        if s_q == s_kv > 1 else None
-    tensors = _tensors(wanted, q.device, stream, decode, chunk)
-    dead = True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)
+    chunk = ([fv.spec(t, g) for t, g in operands], n, h_kv, s_q) if s_q == s_kv > 1 else None
+    tensors = small_tensors(wanted, q.device, stream, decode, chunk)
+    dead = True if padded else dead_rows(s_q, s_kv, window, bottom_right, q.device)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=(copy_q,),
                    outputs=((tuple(out.shape), out.stride()),), direct=(out_buf is out,),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
-                          "dead": dead, "made": _made(q.device, dead)},
+                          "dead": dead, "made": made_at(q.device, dead),
+                          "lengths": None if padded else lengths_form(
+                              (q, k, v), operands, (True, False, False, True, True), ((out, True),))},
                    fix=copy_q)
 
 
-def family(*tensors) -> tuple | None:
-    """What a folded binding depends on in these operands besides their lengths: for each, its batch
-    and head counts, head dim, dtype, 16-byte alignment and layout (``fold_values.layout_of``); None
-    where a layout's strides do not follow from S. Within one pair of length buckets, calls whose
-    operands and options agree in these build the same folded graph key: the strides a fold
-    declares (head-in-group, token) do not depend on S in these layouts, nor in the token-major
-    scratch that a copied operand, O or the LSE is written to (tests/test_folded.py compares the
-    keys)."""
-    parts = []
-    for t in tensors:
-        kind = fv.layout_of(t)
+def _canonical(t: torch.Tensor) -> str | None:
+    """``t``'s layout (``fold_values.layout_of``) when its strides are exactly that layout's at its
+    shape (``fold_values.strides``: size-1 dims included), else None."""
+    kind = fv.layout_of(t)
+    return kind if kind is not None and t.stride() == fv.strides(kind, t.shape[1], t.shape[2], t.shape[3]) else None
+
+
+def lengths_form(callers, operands, sides, outputs) -> tuple | None:
+    """What ``fold_family.rebind`` derives this binding at other lengths of its buckets from, or None: the
+    caller's tensors' layouts (``callers``: the family's operands), each fold operand's
+    ``fold_values.spec`` and side (True: its S is S_q, else S_kv), and each output's layout, heads,
+    head dim and side. Only where every one of these tensors has its layout's exact strides
+    (``_canonical``) and the callers' head-dim rows are 16-byte aligned: then the binding a full
+    bind would make at another length (the scratch choices, the copies, the output strides, the
+    offsets) follows from the lengths alone."""
+    kinds = tuple(_canonical(t) for t in callers)
+    if None in kinds or any(t.shape[3] * t.element_size() % layout.ALIGN for t in callers):
+        return None
+    if any(_canonical(t) is None for t, _ in operands):
+        return None
+    outs = []
+    for t, side in outputs:
+        kind = _canonical(t)
         if kind is None:
             return None
-        parts.append((t.shape[0], t.shape[1], t.shape[3], t.dtype, t.data_ptr() % layout.ALIGN == 0, kind))
-    return tuple(parts)
-
-
-def decode_family(q, k, v) -> tuple | None:
-    """What a decode forward's folded binding depends on besides its KV length, beyond the query's
-    own signature: the KV length bucket, and for K and V their batch and head counts, head dim,
-    dtype, 16-byte alignment and layout (``fold_values.layout_of``). Two calls of one family bind
-    the same graph, uids and output layout, and differ only in the KV length's small tensors
-    (``rebind_forward``). None for S_q > 1 or a K/V layout whose strides do not follow from S."""
-    if q.shape[2] != 1:
-        return None
-    kv = family(k, v)
-    return None if kv is None else (seqlen_bucket(k.shape[2]), kv)
-
-
-def rebind_forward(template: Binding, q, k, v, *, window, bottom_right: bool) -> Binding | None:
-    """The binding of a decode forward at a new KV length, from ``template``, a folded binding of
-    the same family (``decode_family``) and query signature: its plan, uids and outputs, with the new
-    length's KV lengths, K/V offsets and dead rows. None where a full bind must decide instead: the
-    offsets would pass int32, or the template's tensors were made on another stream."""
-    made = template.extra["made"]
-    if made is not None and made[0] != fv.stream_of(q.device):
-        return None
-    h_kv, s_kv = k.shape[1], k.shape[2]
-    stream = fv.stream_of(q.device)
-    (e_k, r_k), (e_v, r_v) = fv.operand(k, h_kv, 1, stream), fv.operand(v, h_kv, 1, stream)
-    if max(e_k, e_v) > _INT32_MAX:
-        return None
-    n = q.shape[0] * h_kv
-    wanted = [fv.length_request(n, s_kv, q.device, stream), r_k, r_v]
-    lengths_kv, off_k, off_v = _tensors(wanted, q.device, stream, (k, v, n, h_kv, s_kv))
-    old = template.extra["tensors"]
-    tensors = (old[0], lengths_kv, old[2], off_k, off_v) + old[5:]
-    dead = _dead(1, s_kv, window, bottom_right, q.device)
-    extra = dict(template.extra, tensors=tensors, dead=dead, made=_made(q.device, dead))
-    return Binding(plan=template.plan, uids=template.uids, repair=template.repair, outputs=template.outputs,
-                   direct=template.direct, extra=extra, fix=template.fix)
+        outs.append((kind, t.shape[1], t.shape[3], side))
+    return kinds, tuple(zip((fv.spec(t, g) for t, g in operands), sides)), tuple(outs)
 
 
 def _with_lengths(found: Binding, lengths) -> tuple:
@@ -412,7 +396,7 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     operands = [(qr, groups), (k, 1), (v, 1), (outr, groups), (do, groups), (bufs[0], groups), (bufs[1], 1),
                 (bufs[2], 1)]
     ops = [fv.operand(t, h_kv, g, stream) for t, g in operands]
-    if max(end for end, _ in ops) > _INT32_MAX:
+    if max(end for end, _ in ops) > INT32_MAX:
         return None  # int32 ragged offsets: the exact graph
     if plan is None:
         key = BwdKey(device=q.device.index, q=qd(qr), k=kd(k), v=kd(v), o=qd(outr), do=qd(do), lse=lse,
@@ -425,14 +409,17 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
     wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
     wanted += [request for _, request in ops]
     # autograd runs a backward on its device thread, whose value cache the forward's chunk did not fill
-    chunk = (operands, n, h_kv, s_q) if s_q == s_kv > 1 else None
-    tensors = _tensors(wanted, q.device, stream, chunk=chunk)
-    dead = True if padded else _dead(s_q, s_kv, window, bottom_right, q.device)
+    chunk = ([fv.spec(t, g) for t, g in operands], n, h_kv, s_q) if s_q == s_kv > 1 else None
+    tensors = small_tensors(wanted, q.device, stream, chunk=chunk)
+    dead = True if padded else dead_rows(s_q, s_kv, window, bottom_right, q.device)
+    sides = (True, False, False, True, True, True, False, False)
     return Binding(plan=plan, uids=tuple(int(u) for u in uids), repair=tuple(c for _, c in reads),
                    outputs=tuple((tuple(g.shape), g.stride()) for g in grads),
                    direct=tuple(g is buf for g, buf in zip(grads, bufs)),
                    extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b, "h_kv": h_kv,
-                          "padded": padded, "dead": dead, "made": _made(q.device, dead)},
+                          "padded": padded, "dead": dead, "made": made_at(q.device, dead),
+                          "lengths": None if padded else lengths_form(
+                              (grad_out, q, k, v, out), operands, sides, zip(grads, (True, False, False)))},
                    fix=any(c for _, c in reads))
 
 
