@@ -155,8 +155,8 @@ def test_a_new_prefill_length_binds_with_its_family_s_graph_which_is_the_one_its
     strides, else bound with the template's graph; either way equal to what a full bind with its
     own key makes (``_lengths_checked``, or the same graph), and answers and gradients match fp64.
     Layouts whose strides do not follow from S (a fused K/V projection, a head-dim slice) bind in
-    full every time; token-major K/V with one head has a size-1 head dim whose stride is not the
-    BHSD one its ``layout_of`` says, so it binds with the template's graph instead."""
+    full every time; token-major K/V with one head (a size-1 head dim whose stride is not the BHSD
+    one ``layout_of`` says) is derived too, its gradients keeping that stride as ``empty_like`` does."""
     seen = {"family": 0, "full": 0}
     _lengths_checked(monkeypatch, seen)
     for name in ("bind_forward", "bind_backward"):
@@ -177,9 +177,8 @@ def test_a_new_prefill_length_binds_with_its_family_s_graph_which_is_the_one_its
         q, k, v = _operands(kind, 2, heads[0], heads[1], s, s, 8, gen)
         _check(q, k, v, torch.randn(2, s, heads[0], 8, generator=gen).transpose(1, 2), window=(-1, 0))
     predictable = kind in ("contiguous", "token_major", "mixed")
-    exact = predictable and not (kind == "token_major" and heads[1] == 1)
-    want = {"family": 0, "full": 2, "lengths": 28} if exact else {"family": 28, "full": 2, "lengths": 0}
-    assert seen == (want if predictable else {"family": 0, "full": 30, "lengths": 0}), seen
+    want = {"family": 0, "full": 2, "lengths": 28} if predictable else {"family": 0, "full": 30, "lengths": 0}
+    assert seen == want, seen
     assert sum(g.key.ragged for g in fake) == 2, "one forward and one backward graph"
 
 
@@ -200,9 +199,23 @@ def test_bindings_derived_at_new_lengths_equal_full_binds(fake, monkeypatch, kin
         _, _, v = _operands(kind, b, heads[0], heads[1], s_q, s_kv, d_v, gen)
         go = torch.randn(b, s_q, heads[0], d_v, generator=gen).transpose(1, 2)
         _check(q, k, v, go, window=(-1, 0), bottom_right=True)
-    single = kind == "token_major" and heads[1] == 1  # a size-1 head dim's stride: not derived
-    assert hits["lengths"] == (0 if single else 2 * (len(pairs) - 1)), hits
+    assert hits["lengths"] == 2 * (len(pairs) - 1), hits
     assert sum(g.key.ragged for g in fake) == 2, "one forward and one backward graph"
+
+
+def test_a_size_1_dim_s_arbitrary_stride_is_derived_with_the_strides_a_full_bind_gives(fake, monkeypatch):
+    """B 1 operands whose batch stride is not their layout's (PyTorch lets a size-1 dim have any
+    stride): still derived (``fold_values.follows`` ignores size-1 dims), the output and gradients
+    taking that stride as ``dense_out`` and ``empty_like`` do, equal to a full bind's."""
+    hits = {}
+    _lengths_checked(monkeypatch, hits)
+    gen = torch.Generator().manual_seed(27)
+    odd = lambda t: t.as_strided(t.shape, (7,) + t.stride()[1:])  # noqa: E731
+    for s in (17, 19, 23, 30):
+        q, k, v = (odd(t) for t in _operands("token_major", 1, 4, 2, s, s, 8, gen))
+        assert q.stride(0) == 7
+        _check(q, k, v, torch.randn(1, s, 4, 8, generator=gen).transpose(1, 2), window=(-1, 0))
+    assert hits["lengths"] == 6, hits
 
 
 def test_families_of_other_layouts_in_one_bucket_keep_their_own_graphs(fake, monkeypatch):

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ALIGN", "misaligned", "for_native", "dense_out", "packed_out", "grad_like", "packed", "usable", "packed_usable", "repaired",
-           "packed_repaired", "strides_usable"]
+__all__ = ["ALIGN", "misaligned", "for_native", "dense_out", "dense_out_strides", "packed_out", "grad_like", "packed",
+           "usable", "packed_usable", "repaired", "packed_repaired", "strides_usable"]
 
 ALIGN = _ALIGN = 16
 
@@ -42,6 +42,14 @@ def _matching_strides(ref_strides, shape) -> list[int]:
         strides[i] = running
         running *= shape[i]
     return strides
+
+
+def dense_out_strides(q: torch.Tensor, shape) -> tuple:
+    """The strides ``dense_out(q, shape)`` gives, without allocating, for a ``q`` that is
+    non-overlapping and dense (``empty_like`` then keeps q's strides exactly)."""
+    if tuple(q.shape) == tuple(shape):
+        return q.stride()
+    return tuple(_matching_strides(q.stride(), shape))
 
 
 def _out_like(q: torch.Tensor, shape, dtype=None) -> torch.Tensor:

@@ -274,8 +274,11 @@ def _rebound(family, q, k, v, scale, window, bottom_right, compute_lse):
         return None
     if q.shape[2] == 1:
         return fold_family.rebind_forward(template, q, k, v, window=window, bottom_right=bottom_right)
-    return fold_family.rebind(template, (q, k, v), q, k, window=window, bottom_right=bottom_right) or folded.bind_forward(
-        q, k, v, scale=scale, window=window, bottom_right=bottom_right, compute_lse=compute_lse, plan=template.plan)
+    derived = fold_family.rebind(template, (q, k, v), q, k, window=window, bottom_right=bottom_right)
+    if derived is not None:
+        return derived
+    return folded.bind_forward(q, k, v, scale=scale, window=window, bottom_right=bottom_right,
+                               compute_lse=compute_lse, plan=template.plan)
 
 
 def _fold_forward(q, k, v, bias, sinks, seq_len_q, seq_len_kv, dropout_p, rng_dump, scale, window, bottom_right,
@@ -358,10 +361,12 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         family = _bwd_family(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale, window, bottom_right,
                              deterministic)
         template = _template(family, q.shape[2], k.shape[2], q.device)
-        found = None if template is None else fold_family.rebind(
-            template, (grad_out, q, k, v, out), q, k, window=window, bottom_right=bottom_right) or folded.bind_backward(
-            grad_out, q, k, v, out, scale=scale, window=window, bottom_right=bottom_right, deterministic=False,
-            plan=template.plan)
+        if template is not None:
+            found = fold_family.rebind(template, (grad_out, q, k, v, out), q, k, window=window,
+                                       bottom_right=bottom_right)
+            if found is None:
+                found = folded.bind_backward(grad_out, q, k, v, out, scale=scale, window=window,
+                                             bottom_right=bottom_right, deterministic=False, plan=template.plan)
         if found is None:
             found = _fold_backward(grad_out, q, k, v, out, bias, sinks, seq_len_q, seq_len_kv, dropout_p, scale,
                                    window, bottom_right, deterministic)

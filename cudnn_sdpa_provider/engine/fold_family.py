@@ -9,20 +9,23 @@ the first binding of a family serves as the template of the others:
 
 * decode (S_q = 1, ``decode_family``): ``rebind_forward`` takes the template's outputs as they
   are (they do not depend on the KV length) and new KV lengths and K/V offsets;
-* a longer query and its backward (``rebind``): where every operand has its layout's exact strides
-  (``folded.lengths_form``), the outputs' strides and every offset follow from the lengths, so no
-  tensor is made to find them. Elsewhere the caller binds in full with the template's graph.
+* a longer query and its backward (``rebind``): where every operand has its layout's strides
+  (``folded.lengths_form``), the outputs' strides and every offset follow from the lengths and the
+  call's own strides, so no tensor is made to find them. Elsewhere the caller binds in full with
+  the template's graph.
 
-The CPU tier (tests/test_folded.py) compares every binding derived here with the one a full bind
-of the same call makes, field by field and value by value.
+The CPU tier (tests/test_folded.py) compares every binding ``rebind`` derives with the one a full
+bind of the same call makes, field by field and value by value; decode's derived bindings are
+checked by their answers at every length (they also keep the template's ``lengths`` form, which
+decode never reads).
 """
 
 from __future__ import annotations
 
 from . import fold_values as fv
+from . import folded
 from ..core import layout
 from .binding import Binding
-from . import folded
 
 __all__ = ["family", "decode_family", "rebind_forward", "rebind"]
 
@@ -87,21 +90,24 @@ _OWN = ("calls", "kept")
 def rebind(template: Binding, callers: tuple, q, k, *, window, bottom_right: bool) -> Binding | None:
     """The binding of a folded forward (S_q > 1) or backward at new lengths from ``template``, a
     binding of the same family and buckets (``dense._fwd_family``, ``dense._bwd_family``): its
-    plan, uids, copies and scratch choices, with the outputs' strides, the offsets and the lengths
-    computed from the new lengths alone, no tensor made (``folded.lengths_form``; the folded tests compare
-    it with a full bind). ``callers``: the call's operands in the template's order (q, k, v; or dO,
-    q, k, v, O). None where a full bind must decide instead: no form, a caller whose strides are
-    not its layout's exact ones, offsets past int32, or the template's tensors made on another
-    stream."""
+    plan, uids, copies and scratch choices, with the outputs' strides (``folded.output_layout``),
+    the offsets and the lengths computed from the call's lengths and strides, no tensor made
+    (``folded.lengths_form``; the folded tests compare it with a full bind). ``callers``: the
+    call's operands in the template's order (q, k, v; or dO, q, k, v, O); ``q`` and ``k`` among
+    them. None where a full bind must decide instead: no form, a caller whose strides are not its
+    layout's (``fold_values.follows``), offsets past int32, or the template's tensors made on
+    another stream."""
     form = template.extra.get("lengths")
     if form is None:
         return None
     made, stream = template.extra["made"], fv.stream_of(q.device)
     if made is not None and made[0] != stream:
         return None
-    kinds, specs, outs = form
+    kinds, specs, rules = form
+    if len(callers) != len(kinds):
+        raise ValueError(f"rebind: {len(callers)} operands for a template of {len(kinds)}")
     for t, kind in zip(callers, kinds):
-        if t.stride() != fv.strides(kind, t.shape[1], t.shape[2], t.shape[3]):
+        if not fv.follows(t, kind):
             return None
     b, s_q, h_kv, s_kv = q.shape[0], q.shape[2], k.shape[1], k.shape[2]
     n = b * h_kv
@@ -113,11 +119,8 @@ def rebind(template: Binding, callers: tuple, q, k, *, window, bottom_right: boo
     chunk = ([spec for spec, _ in specs], n, h_kv, s_q) if s_q == s_kv > 1 else None
     tensors = folded.small_tensors(wanted, q.device, stream, chunk=chunk)
     dead = folded.dead_rows(s_q, s_kv, window, bottom_right, q.device)
-    outputs = []
-    for kind, h, d, side in outs:
-        s = s_q if side else s_kv
-        outputs.append(((b, h, s, d), fv.strides(kind, h, s, d)))
+    outputs = tuple(folded.output_layout(rule, callers) for rule in rules)
     extra = {key: value for key, value in template.extra.items() if key not in _OWN}
     extra.update(tensors=tensors, dead=dead, made=folded.made_at(q.device, dead))
-    return Binding(plan=template.plan, uids=template.uids, repair=template.repair, outputs=tuple(outputs),
+    return Binding(plan=template.plan, uids=template.uids, repair=template.repair, outputs=outputs,
                    direct=template.direct, extra=extra, fix=template.fix)

@@ -31,7 +31,7 @@ from ..core import layout
 
 __all__ = ["SMALL_KEPT", "AHEAD", "CHUNK", "BLOCK_VALUES", "stream_of", "upload_mark", "fold_strides", "length_key",
            "length_request", "offsets_request", "operand", "operand_at", "resolve", "ahead", "chunk", "kept", "clear",
-           "layout_of", "strides", "spec"]
+           "layout_of", "strides", "follows", "spec"]
 
 #: How many small device tensors each thread keeps (LRU); bindings hold the tensors they use, so an
 #: eviction frees nothing a binding still needs.
@@ -153,6 +153,14 @@ def layout_of(t: torch.Tensor) -> str | None:
 def strides(kind: str, h: int, s: int, d: int) -> tuple:
     """The strides of a dense (B, h, s, d) tensor of layout ``kind`` (``layout_of``)."""
     return (h * s * d, s * d, d, 1) if kind == "bhsd" else (s * h * d, d, h * d, 1)
+
+
+def follows(t: torch.Tensor, kind: str) -> bool:
+    """Whether ``t``'s strides are those of layout ``kind`` at its shape (``strides``) at every dim
+    of extent above 1 (a size-1 dim's stride is arbitrary in PyTorch and never stepped)."""
+    want = strides(kind, t.shape[1], t.shape[2], t.shape[3])
+    got = t.stride()
+    return got == want or all(g == w for n, g, w in zip(t.shape, got, want) if n > 1)
 
 
 def spec(t: torch.Tensor, groups: int) -> tuple | None:

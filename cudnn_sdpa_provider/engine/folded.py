@@ -22,8 +22,8 @@ length in the bucket. A decode call at a new KV length whose K and V are contigu
 token-major (a growing cache) is bound from the first binding of its bucket (``fold_family``):
 the same graph, uids and outputs; only the KV length's small tensors are new. A longer query
 (prefill, training) and its backward at a new length inside its buckets are derived from their
-family's first binding too when every operand has its layout's exact strides (``lengths_form``):
-the outputs' strides and the offsets follow from the lengths, so no tensor is made to find them.
+family's first binding too when every operand has its layout's strides (``lengths_form``): the
+outputs' strides and the offsets follow from the lengths, so no tensor is made to find them.
 The LSE is (B, H, S_q, 1) contiguous as on the exact path: written in place where its strides do
 not depend on S (G == 1 or S_q == 1), else token-major and copied; the backward reads it padded
 to the bucket, (B, H, S_b, 1) (cuDNN < 9.26 misreads non-packed stats).
@@ -53,7 +53,7 @@ from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
 __all__ = ["seqlen_bucket", "mode", "VERIFIED", "INT32_MAX", "verified", "verified_on", "capturing", "applies",
-           "made_at", "dead_rows", "lengths_form", "small_tensors", "bind_forward", "run_forward", "bind_backward",
+           "made_at", "dead_rows", "lengths_form", "output_layout", "small_tensors", "bind_forward", "run_forward", "bind_backward",
            "run_backward"]
 
 INT32_MAX = 2**31 - 1
@@ -260,7 +260,7 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
                  build: bool = True, plan=None) -> Binding | None:
     """The binding of a folded forward; its graph is found in the cache or, with ``build``, built
     (``graphs.plan``); None when it is not cached and ``build`` is False. ``plan``: the graph of
-    this call's family (``family``), taken without building or looking up the key."""
+    this call's family (``fold_family.family``), taken without building or looking up the key."""
     b, h_q, s_q, _ = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     groups, n = h_q // h_kv, b * h_kv
@@ -298,37 +298,50 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
                    extra={"fold": True, "groups": groups, "tensors": tensors, "h_kv": h_kv, "padded": padded,
                           "dead": dead, "made": made_at(q.device, dead),
                           "lengths": None if padded else lengths_form(
-                              (q, k, v), operands, (True, False, False, True, True), ((out, True),))},
+                              (q, k, v), operands, (True, False, False, True, True)[:len(operands)],
+                              ((out, ("out", 0, v.shape[3])),))},
                    fix=copy_q)
 
 
-def _canonical(t: torch.Tensor) -> str | None:
-    """``t``'s layout (``fold_values.layout_of``) when its strides are exactly that layout's at its
-    shape (``fold_values.strides``: size-1 dims included), else None."""
+def _layout(t: torch.Tensor) -> str | None:
+    """``t``'s layout (``fold_values.layout_of``) when its strides are that layout's at its shape
+    (``fold_values.follows``), else None."""
     kind = fv.layout_of(t)
-    return kind if kind is not None and t.stride() == fv.strides(kind, t.shape[1], t.shape[2], t.shape[3]) else None
+    return kind if kind is not None and fv.follows(t, kind) else None
+
+
+def output_layout(rule: tuple, callers) -> tuple:
+    """(size, stride) of an output by its rule (``lengths_form``), from the call's operands alone:
+    ``("like", i, None)``, ``empty_like(callers[i])`` (a gradient, ``layout.grad_like``);
+    ``("out", i, d_v)``, ``layout.dense_out(callers[i], (B, H, S_q, d_v))``."""
+    what, i, d = rule
+    t = callers[i]
+    if what == "like":
+        return tuple(t.shape), t.stride()
+    size = (t.shape[0], t.shape[1], t.shape[2], d)
+    return size, layout.dense_out_strides(t, size)
 
 
 def lengths_form(callers, operands, sides, outputs) -> tuple | None:
-    """What ``fold_family.rebind`` derives this binding at other lengths of its buckets from, or None: the
-    caller's tensors' layouts (``callers``: the family's operands), each fold operand's
-    ``fold_values.spec`` and side (True: its S is S_q, else S_kv), and each output's layout, heads,
-    head dim and side. Only where every one of these tensors has its layout's exact strides
-    (``_canonical``) and the callers' head-dim rows are 16-byte aligned: then the binding a full
-    bind would make at another length (the scratch choices, the copies, the output strides, the
-    offsets) follows from the lengths alone."""
-    kinds = tuple(_canonical(t) for t in callers)
+    """What ``fold_family.rebind`` derives this binding at other lengths of its buckets from, or
+    None: the layouts of the caller's tensors (``callers``: the family's operands), each fold
+    operand's ``fold_values.spec`` and side (True: its S is S_q, else S_kv), and each output's
+    rule (``output_layout``; ``outputs``: (tensor, rule) pairs, each checked here against the
+    tensor the bind made). Only where every caller and operand has its layout's strides
+    (``fold_values.follows``) and the callers' head-dim rows are 16-byte aligned: then the
+    binding a full bind would make at another length (the scratch choices, the copies, the outputs'
+    strides, the offsets) follows from the lengths and the call's own strides alone."""
+    if len(sides) != len(operands):
+        raise ValueError(f"lengths_form: {len(operands)} operands but {len(sides)} sides")
+    kinds = tuple(_layout(t) for t in callers)
     if None in kinds or any(t.shape[3] * t.element_size() % layout.ALIGN for t in callers):
         return None
-    if any(_canonical(t) is None for t, _ in operands):
+    if any(_layout(t) is None for t, _ in operands):
         return None
-    outs = []
-    for t, side in outputs:
-        kind = _canonical(t)
-        if kind is None:
-            return None
-        outs.append((kind, t.shape[1], t.shape[3], side))
-    return kinds, tuple(zip((fv.spec(t, g) for t, g in operands), sides)), tuple(outs)
+    if any(output_layout(rule, callers) != (tuple(t.shape), t.stride()) for t, rule in outputs):
+        return None
+    rules = tuple(rule for _, rule in outputs)
+    return kinds, tuple(zip((fv.spec(t, g) for t, g in operands), sides)), rules
 
 
 def _with_lengths(found: Binding, lengths) -> tuple:
@@ -419,7 +432,8 @@ def bind_backward(grad_out, q, k, v, out, *, scale: float, window, bottom_right:
                    extra={"fold": True, "groups": groups, "tensors": tensors, "s_b": sq_b, "h_kv": h_kv,
                           "padded": padded, "dead": dead, "made": made_at(q.device, dead),
                           "lengths": None if padded else lengths_form(
-                              (grad_out, q, k, v, out), operands, sides, zip(grads, (True, False, False)))},
+                              (grad_out, q, k, v, out), operands, sides,
+                              [(g, ("like", i, None)) for g, i in zip(grads, (1, 2, 3))])},
                    fix=any(c for _, c in reads))
 
 
