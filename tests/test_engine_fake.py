@@ -285,3 +285,40 @@ def test_a_new_token_count_reuses_the_packed_binding(fake):
                                    compute_dtype=torch.float64)
         assert_rel_close(out, want, TOL, f"out at T={tokens}")
     assert fake_cudnn.FakeGraph.builds == 1 and len(graphs._state()["fast"]) == 1
+
+
+@pytest.mark.parametrize("s_q,s_kv,window,bottom_right,unmasked", [
+    (1, 300, (-1, 0), True, True),     # a decode step through a causal bottom-right mask (HF's DynamicCache)
+    (1, 300, (299, 0), True, True),    # a sliding window that still reaches key 0
+    (1, 300, (298, 0), True, False),   # ... one short of it
+    (1, 300, (-1, 0), False, False),   # top-left: the one query sees key 0 only
+    (1, 1, (-1, 0), False, True),      # one key
+    (5, 300, (-1, 0), True, False),    # chunked prefill: the first rows do not see the last keys
+    (5, 300, (-1, 2), True, False),
+    (5, 9, (-1, 8), False, True),      # the right bound reaches the last key from query 0
+    (5, 9, (-1, 7), False, False),     # ... one short of it
+])
+def test_a_window_that_hides_no_key_runs_the_unmasked_graph(fake, s_q, s_kv, window, bottom_right, unmasked):
+    """``dense.unmasked``: where the window (with its alignment) lets every query see every key, the
+    forward and backward build and bind the full-attention graph (one graph with unmasked calls of
+    that shape), answers and gradients equal to fp64 under the window as given; elsewhere the
+    window stays."""
+    assert dense.unmasked(window, bottom_right, s_q, s_kv) is unmasked
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(2, 4, s_q, 8, generator=gen)
+    k, v = (torch.randn(2, 2, s_kv, 8, generator=gen) for _ in range(2))
+    go = torch.randn(2, 4, s_q, 8, generator=gen)
+    out, lse = dense.forward(q, k, v, scale=0.3, window=window, bottom_right=bottom_right)
+    dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=0.3, window=window, bottom_right=bottom_right)
+    want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, window=window, bottom_right=bottom_right,
+                              compute_dtype=torch.float64)
+    grads = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=0.3, window=window,
+                                     bottom_right=bottom_right, compute_dtype=torch.float64)
+    assert_rel_close(out, want, TOL, "out")
+    for got, ref, name in zip((dq, dk, dv), grads, ("dq", "dk", "dv")):
+        assert_rel_close(got, ref, TOL, name)
+    windows = {(g.key.window, g.key.bottom_right) for g in fake}
+    assert windows == ({((-1, -1), False)} if unmasked else {(window, bottom_right)}), windows
+    n = len(fake)
+    dense.forward(q, k, v, scale=0.3)  # full attention: the same graph when the window hid nothing
+    assert (len(fake) == n) is unmasked

@@ -27,7 +27,7 @@ from ..core.errors import NotSupportedError
 from .binding import Binding, tensor_key
 from .graphs import UID, BwdKey, FwdKey
 
-__all__ = ["forward", "backward", "bias_operand", "alignment", "same_lengths"]
+__all__ = ["forward", "backward", "bias_operand", "alignment", "unmasked", "same_lengths"]
 
 
 def same_lengths(a, b) -> bool:
@@ -44,6 +44,19 @@ def alignment(bottom_right: bool, *same) -> bool:
     is the same): then bottom-right and top-left are the same mask, and top-left is what cuDNN
     runs fastest (its ragged bottom-right kernels do not skip masked tiles; docs/performance.md)."""
     return bottom_right and not all(same_lengths(a, b) for a, b in same)
+
+
+def unmasked(window, bottom_right: bool, s_q: int, s_kv: int) -> bool:
+    """Whether ``window`` (with its alignment) lets every query of an S_q x S_kv call see every key:
+    then it is full attention, and ``forward``/``backward`` run the unmasked graph. A decode step
+    through a causal bottom-right mask (the Hugging Face integration's, a DynamicCache's last
+    token) is one: a masked graph there is another graph for the same numbers, and cuDNN's
+    bottom-right ragged kernels do not skip tiles as its top-left ones do."""
+    left, right = window
+    if left < 0 and right < 0:
+        return False  # already unmasked
+    off = s_kv - s_q if bottom_right else 0  # query i sits at key i + off
+    return (left < 0 or left >= s_q - 1 + off) and (right < 0 or off + right >= s_kv - 1)
 
 
 def bias_operand(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -123,8 +136,11 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
     """cuDNN forward: (out, lse). ``philox`` is the (seed, offset) pair of int64 device tensors for
     dropout (its backward reuses it); ``rng_dump`` (tests only) a (B, H_q, S_q, S_kv) fp32 buffer that
     receives the realised keep mask. ``signature``: a caller's own signature of this call, covering
-    everything the one built here would (then ``bottom_right`` must already be ``alignment``'s)."""
+    everything the one built here would (then ``window`` and ``bottom_right`` are taken as given:
+    ``bottom_right`` must already be ``alignment``'s, and an ``unmasked`` window keeps its mask)."""
     if signature is None:
+        if seq_len_q is None and unmasked(window, bottom_right, q.shape[2], k.shape[2]):
+            window, bottom_right = (-1, -1), False
         bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
         signature = ("dense_fwd", q.device.index, tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(sinks),
                      tensor_key(bias), tensor_key(seq_len_q), tensor_key(seq_len_kv), scale, window, bottom_right,
@@ -349,6 +365,8 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
              signature=None):
     """cuDNN backward: (dq, dk, dv, dsinks or None). ``signature`` as for ``forward``."""
     if signature is None:
+        if seq_len_q is None and unmasked(window, bottom_right, q.shape[2], k.shape[2]):
+            window, bottom_right = (-1, -1), False
         bottom_right = alignment(bottom_right, (q.shape[2], k.shape[2]), (seq_len_q, seq_len_kv))
         signature = ("dense_bwd", q.device.index, tensor_key(grad_out), tensor_key(q), tensor_key(k),
                      tensor_key(v), tensor_key(out), tensor_key(lse), tensor_key(sinks), tensor_key(bias),
