@@ -284,3 +284,25 @@ def test_explain_checks_paged_arguments_like_attention(kw, exc, match):
     q, cache, table, lens = _paged_meta()
     with pytest.raises(exc, match=match):
         csp.explain(q, cache, cache, block_table=table, seq_lens_kv=lens, device=H200, **kw)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_window_s_quick_form_agrees_with_the_full_checks(is_causal):
+    """``arguments.window`` answers plain (int, int) tuples without the full checks: the same pair
+    and type as ``support.canonical_window`` for every bound from -2 to 3, the same errors for the
+    invalid ones (below -1; a right bound with ``is_causal``), and bools never take the quick form."""
+    from cudnn_sdpa_provider.core import arguments, support
+
+    for left in range(-2, 4):
+        for right in range(-2, 4):
+            try:
+                want = support.canonical_window(is_causal, (left, right))
+            except ValueError:
+                with pytest.raises(ValueError):
+                    arguments.window(is_causal, (left, right))
+                continue
+            got = arguments.window(is_causal, (left, right))
+            assert got == want and type(got) is tuple and all(type(x) is int for x in got), (left, right)
+    for bad in ((True, 0), (0, False)):
+        with pytest.raises(TypeError, match="bool"):
+            arguments.window(is_causal, bad)

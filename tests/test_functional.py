@@ -541,3 +541,52 @@ def test_compiled_call_sees_the_custom_op():
     graph_ops = {str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
     assert any("cudnn_sdpa.dense_fwd" in name for name in graph_ops), graph_ops
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("how", ["plain", "no_grad", "inference_mode"])
+def test_a_call_that_needs_no_gradient_runs_without_autograd(monkeypatch, packed, how):
+    """Where no input needs a gradient (inputs without requires_grad, or grad mode off), the eager
+    path calls the forward kernel itself (``DenseFunction.no_grad``), not ``apply``: the same
+    answer and count as the custom op's, and no graph. With a gradient needed, ``apply`` runs."""
+    from cudnn_sdpa_provider.ops import dense_varlen as ops
+
+    function = ops.VarlenFunction if packed else ops.DenseFunction
+    needs_grad = how != "plain"  # under no_grad / inference_mode even requires_grad inputs need none
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    if packed:
+        q, k, v = (rnd(11, 4, 8, seed=s, requires_grad=needs_grad) for s in (1, 2, 3))
+        opts = dict(cu_seqlens_q=cu, max_seqlen_q=7, max_seqlen_kv=7, is_causal=True)
+    else:
+        q, k, v = dense(requires_grad=needs_grad)
+        opts = dict(window=(3, 1))
+    mode = {"plain": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[how]
+
+    def run():
+        with mode():
+            return region(lambda: csp.attention(q, k, v, **opts))
+
+    def refused(*args):
+        raise AssertionError("apply ran for a call that needs no gradient")
+
+    monkeypatch.setattr(function, "apply", refused)
+    with pytest.raises(AssertionError, match="apply ran"):  # a gradient needed: autograd's apply
+        csp.attention(q.detach().requires_grad_(), k.detach(), v.detach(), **opts)
+    (out, counted), (want, counted_op) = _both_paths(monkeypatch, run)
+    path = "varlen_fwd" if packed else "dense_fwd"
+    assert counted == counted_op == {path: {"no_cuda": 1}}
+    assert out.grad_fn is None and not out.requires_grad and torch.equal(out, want)
+
+
+def test_the_host_cost_script_serves_both_paths():
+    """scripts/functional_host_cpu.py (results/cpu-functional-host.txt) runs both paths to the
+    engine on the stand-in cuDNN in a child process: it fails if either falls back or errors."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "scripts" / "functional_host_cpu.py"), "--rounds", "1",
+                           "--calls", "3"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "csp.attention (the integration)" in done.stdout and "F.sdpa override" in done.stdout, done.stdout

@@ -82,6 +82,10 @@ def real(name: str, value, *, valid: str, ok=lambda x: True) -> float:
 def window(is_causal, value) -> tuple[int, int]:
     """``window=(left, right)`` (integers >= -1, -1 unbounded) folded with ``is_causal``
     (``support.canonical_window``) into a pair of ints."""
+    if type(is_causal) is bool and type(value) is tuple and len(value) == 2:  # the common form, checked quickly
+        left, right = value
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1 and not (is_causal and right > 0):
+            return (left, 0) if is_causal else value
     is_causal = flag("is_causal", is_causal)
     if value is None:
         value = (-1, -1)
