@@ -53,8 +53,8 @@ from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
 __all__ = ["seqlen_bucket", "mode", "VERIFIED", "INT32_MAX", "verified", "verified_on", "capturing", "applies",
-           "made_at", "dead_rows", "lengths_form", "output_layout", "small_tensors", "bind_forward", "run_forward", "bind_backward",
-           "run_backward"]
+           "made_at", "dead_rows", "lengths_form", "output_layout", "small_tensors", "bind_forward", "run_forward",
+           "bind_backward", "run_backward"]
 
 INT32_MAX = 2**31 - 1
 
@@ -221,6 +221,7 @@ def _q_target(out: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, device):
+    """The (1, 1, S_q, 1) mask of query rows that see no key (``rows.dead_rows``), or None."""
     return rows.dead_rows(s_q, s_kv, window, bottom_right, device=device)
 
 
