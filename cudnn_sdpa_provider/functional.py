@@ -137,8 +137,8 @@ def _dense(q, k, v, seq_lens_q, seq_lens_kv, cu_kv, max_q, max_kv, dropout_p, c)
     philox = rows.new_philox(q.device) if dropout_p > 0.0 else None
     eager = ops.eager(q, k, v, c.sinks, seq_lens_q, seq_lens_kv)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.sinks))
-    fwd = torch.ops.cudnn_sdpa.dense_fwd if not eager else ops.DenseFunction.apply if grad else \
-        ops.DenseFunction.no_grad
+    fwd = torch.ops.cudnn_sdpa.dense_fwd if not eager else ops.DenseFunction.apply \
+        if ops.autograd_needed(q, k, v, c.sinks) else ops.DenseFunction.no_grad
     out, lse = fwd(q, k, v, c.sinks32, None, seq_lens_q, seq_lens_kv, philox, c.scale, dropout_p, c.window[0],
                    c.window[1], c.bottom_right, c.return_lse or grad, c.fallback)
     return (out, lse) if c.return_lse else out
@@ -161,9 +161,8 @@ def _packed(q, k, v, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max_q, max_kv, dropou
             arguments.check_cu_seqlens("cu_seqlens_q (as cu_seqlens_kv)", given[1], k.shape[0], "max_seqlen_kv",
                                        max_kv)
     eager = ops.eager(q, k, v, c.sinks32, cu_q, cu_kv)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.sinks))
-    fwd = torch.ops.cudnn_sdpa.varlen_fwd if not eager else ops.VarlenFunction.apply if grad else \
-        ops.VarlenFunction.no_grad
+    fwd = torch.ops.cudnn_sdpa.varlen_fwd if not eager else ops.VarlenFunction.apply \
+        if ops.autograd_needed(q, k, v, c.sinks) else ops.VarlenFunction.no_grad
     out, lse = fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, c.sinks32, c.scale, c.window[0], c.window[1], c.bottom_right,
                    c.fallback)
     return (out, lse) if c.return_lse else out

@@ -590,3 +590,24 @@ def test_the_host_cost_script_serves_both_paths():
                            "--calls", "3"], capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "csp.attention (the integration)" in done.stdout and "F.sdpa override" in done.stdout, done.stdout
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's make_dual loads its jvp decompositions via jit
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_dual_input_under_forward_ad_is_refused_never_dropped(packed):
+    """Forward-mode AD: a dual input needs no gradient in the reverse-mode sense, but its tangent must
+    not be dropped by the forward kernel alone (``no_grad``): the call goes through ``apply``, which
+    has no jvp and says so (NotImplementedError), as it did before the no-gradient path."""
+    import torch.autograd.forward_ad as fwAD
+
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    with fwAD.dual_level():
+        if packed:
+            q, k, v = (rnd(11, 4, 8, seed=s) for s in (1, 2, 3))
+            opts = dict(cu_seqlens_q=cu, max_seqlen_q=7, max_seqlen_kv=7)
+        else:
+            q, k, v = dense(requires_grad=False)
+            opts = {}
+        dual = fwAD.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            csp.attention(dual, k, v, **opts)
