@@ -281,7 +281,7 @@ def _template(family, s_q: int, s_kv: int, device):
 def _rebound(family, q, k, v, scale, window, bottom_right, compute_lse):
     """A forward's binding at new lengths from its family's template, or None (no template, or the
     fold declines: a full bind decides). Decode derives it (``fold_family.rebind_forward``: new KV
-    lengths and offsets); a longer query too where its operands have their layout's exact strides
+    lengths and offsets); a longer query too where its operands have their layout's strides
     (``fold_family.rebind``), else it binds with the template's graph, without building or looking up
     its key. (GPU run 58: a first call at a new decode length took 0.32 ms against the repeated
     call's 0.125 ms; on the CPU tier, most of that difference was the Python of a full bind.)"""
