@@ -136,9 +136,9 @@ def _dense(q, k, v, seq_lens_q, seq_lens_kv, cu_kv, max_q, max_kv, dropout_p, c)
             arguments.check_lengths("seq_lens_kv", given[1], k.shape[2], "S_kv")
     philox = rows.new_philox(q.device) if dropout_p > 0.0 else None
     eager = ops.eager(q, k, v, c.sinks, seq_lens_q, seq_lens_kv)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.sinks))
+    grad = ops.grad_needed(q, k, v, c.sinks)
     fwd = torch.ops.cudnn_sdpa.dense_fwd if not eager else ops.DenseFunction.apply \
-        if ops.autograd_needed(q, k, v, c.sinks) else ops.DenseFunction.no_grad
+        if ops.autograd_needed(grad) else ops.DenseFunction.no_grad
     out, lse = fwd(q, k, v, c.sinks32, None, seq_lens_q, seq_lens_kv, philox, c.scale, dropout_p, c.window[0],
                    c.window[1], c.bottom_right, c.return_lse or grad, c.fallback)
     return (out, lse) if c.return_lse else out
@@ -162,7 +162,7 @@ def _packed(q, k, v, seq_lens_q, seq_lens_kv, cu_q, cu_kv, max_q, max_kv, dropou
                                        max_kv)
     eager = ops.eager(q, k, v, c.sinks32, cu_q, cu_kv)
     fwd = torch.ops.cudnn_sdpa.varlen_fwd if not eager else ops.VarlenFunction.apply \
-        if ops.autograd_needed(q, k, v, c.sinks) else ops.VarlenFunction.no_grad
+        if ops.autograd_needed(ops.grad_needed(q, k, v, c.sinks)) else ops.VarlenFunction.no_grad
     out, lse = fwd(q, k, v, cu_q, cu_kv, max_q, max_kv, c.sinks32, c.scale, c.window[0], c.window[1], c.bottom_right,
                    c.fallback)
     return (out, lse) if c.return_lse else out
@@ -221,7 +221,7 @@ def _paged_dense(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, c):
         arguments.check_lengths("seq_lens_kv", given[2], table.shape[1] * k_cache.shape[2], "M x block_size")
         arguments.check_block_table(given[0], seq_lens_kv, k_cache.shape[0], k_cache.shape[2])
     sinks32 = c.sinks32
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks32)):
+    if ops.grad_needed(q, k_cache, v_cache, sinks32):
         return _paged_with_grad(q, k_cache, v_cache, table, seq_lens_q, seq_lens_kv, sinks32, c.scale, c.window,
                                 c.bottom_right)
     eager = ops.eager(q, k_cache, v_cache, sinks32, table, seq_lens_q, seq_lens_kv)

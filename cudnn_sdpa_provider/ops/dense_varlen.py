@@ -439,13 +439,16 @@ VarlenFunction = _eager_function(
     """``DenseFunction``'s packed counterpart (``cudnn_sdpa::varlen_fwd`` / ``varlen_bwd``).""")
 
 
-def autograd_needed(*tensors) -> bool:
+def grad_needed(*tensors) -> bool:
+    """Whether autograd records this call: grad mode is on and an input (None allowed) needs a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def autograd_needed(grad: bool) -> bool:
     """Whether a call must go through autograd (``apply``) rather than the forward kernel alone
-    (``no_grad``): an input needs a gradient, or a forward-mode AD level is open (a dual input's
-    tangent must reach ``apply``, which refuses it loudly, never be dropped)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return True
-    return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
+    (``no_grad``): ``grad`` (``grad_needed`` of its inputs), or a forward-mode AD level is open (a
+    dual input's tangent must reach ``apply``, which refuses it loudly, never be dropped)."""
+    return grad or getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
 
 
 def eager(*tensors) -> bool:
