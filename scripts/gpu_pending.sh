@@ -26,12 +26,17 @@
 #                                                     # GQA probe (whole batch, per row, package) at 8k
 #                                                     # and 4k, the FP8 GPU tests, the bench's two causal
 #                                                     # GQA cases, the FP8 backward's plan sweep
+#   OUT=/tmp/out bash scripts/gpu_pending.sh floor    # issue #30's targets: `cudnn-sdpa bench --shapes fp8`
+#                                                     # (quantisation as `auto` picks it), then
+#                                                     # fp8_e2e_profile.py at each of its ten shapes:
+#                                                     # wall, host and kernels per path, and the
+#                                                     # kernels' ratio (the floor with the host hidden)
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
 # Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
 set -u
-stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|rows|tier}
+stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|rows|floor|tier}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 fe=${FRONTEND:-1.32.0}
@@ -113,12 +118,20 @@ case "$stage" in
     run fp8_plan_sweep python3 scripts/plan_sweep.py --cases "" --repeats 10 --fp8 4,32,8,8192,128,causal \
       --fp8 1,32,32,8192,128,causal
     ;;
+  floor)
+    run bench_fp8 python3 -m cudnn_sdpa_provider bench --shapes fp8 --repeats 10 --warmup 3 --json "$OUT/bench-fp8.json"
+    for shape in 1,32,32,4096,128 1,32,32,8192,128 1,32,32,16384,128 4,32,8,4096,128 4,32,8,8192,128; do
+      IFS=, read -r b h hk s d <<< "$shape"
+      run "fp8_e2e_b${b}_h${h}kv${hk}_s${s}_causal" python3 scripts/fp8_e2e_profile.py --shape "$shape" --calls 10
+      run "fp8_e2e_b${b}_h${h}kv${hk}_s${s}" python3 scripts/fp8_e2e_profile.py --shape "$shape" --no-causal --calls 10
+    done
+    ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \
       tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
     ;;
   *)
-    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, rows, tier)" >&2
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, rows, floor, tier)" >&2
     exit 2
     ;;
 esac

@@ -65,6 +65,9 @@ def test_an_unknown_stage_is_refused(tmp_path):
     ("host", "scripts/fp8_host_breakdown.py", ["fp8_host_breakdown", "fp8_gqa_bwd_probe", "new_length_segments",
                                                 "fp8_e2e", "fp8_gqa_bwd_probe_4k", "shapes_folded_tests",
                                                 "fp8_recipe_tests", "triton_launch_probe"]),
+    ("floor", "-m cudnn_sdpa_provider bench --shapes fp8", ["bench_fp8"]
+     + [f"fp8_e2e_b{b}_h32kv{hk}_s{s}{c}" for b, hk, s in ((1, 32, 4096), (1, 32, 8192), (1, 32, 16384),
+                                                          (4, 8, 4096), (4, 8, 8192)) for c in ("_causal", "")]),
     ("tier", "-m pytest tests/gpu/test_known_issues_gpu.py", ["tier"]),
 ])
 def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first, sections):
