@@ -322,3 +322,32 @@ def test_a_window_that_hides_no_key_runs_the_unmasked_graph(fake, s_q, s_kv, win
     n = len(fake)
     dense.forward(q, k, v, scale=0.3)  # full attention: the same graph when the window hid nothing
     assert (len(fake) == n) is unmasked
+
+
+def test_a_bias_forward_says_once_that_it_builds_a_graph_per_length(fake, monkeypatch, caplog):
+    """A bias's strides follow S, so a forward with one binds an exact graph at each new length (the
+    length buckets never take it); the engine says so once per configuration, at INFO, from the
+    second length on, naming the integration that passes lengths instead; answers stay fp64's."""
+    from cudnn_sdpa_provider.core import counters
+
+    monkeypatch.setattr(dense, "_bias_lengths", {})
+    monkeypatch.setattr(counters, "_logged", set())
+    gen = torch.Generator().manual_seed(5)
+
+    def call(s):
+        q, k, v = (torch.randn(2, h, s, 8, generator=gen) for h in (4, 2, 2))
+        bias = torch.randn(2, 1, s, s, generator=gen)
+        out, _ = dense.forward(q, k, v, scale=0.3, bias=bias)
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=0.3, bias=bias.double(),
+                                  compute_dtype=torch.float64)
+        assert_rel_close(out, want, TOL, f"out at S={s}")
+
+    with caplog.at_level("INFO", logger="cudnn_sdpa_provider"):
+        call(40)
+        call(40)
+        assert not [r for r in caplog.records if "bias or mask" in r.getMessage()], "one length: nothing to say"
+        call(41)
+        call(57)
+        said = [r.getMessage() for r in caplog.records if "bias or mask" in r.getMessage()]
+    assert len(said) == 1 and "H=4/2, D=8" in said[0] and "integrations.transformers.register()" in said[0], said
+    assert len(fake) == 3, "one exact graph per length"

@@ -18,11 +18,13 @@ Conventions:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import binding as bd
 from . import fold_family, folded
-from ..core import layout, rows
+from ..core import counters, layout, rows
 from ..core.errors import NotSupportedError
 from .binding import Binding, tensor_key
 from .graphs import UID, BwdKey, FwdKey
@@ -333,9 +335,31 @@ def _bwd_family(grad_out, q, k, v, out, bias, sinks, seq_len_q, dropout_p, scale
     return ("dense_bwd_family", q.device.index, buckets, scale, window, bottom_right, family)
 
 
+#: (dtype, H_q, H_k, D) of forwards with a bias -> the first (S_q, S_kv) bound (``_note_bias_length``).
+_bias_lengths: dict = {}
+
+
+def _note_bias_length(q, k) -> None:
+    """Say once per configuration (INFO) that a forward with a bias binds an exact graph per length.
+    A bias's declared strides follow S, so the length buckets never take it (``_fwd_family``); a
+    padding mask that Hugging Face models hand F.sdpa is such a bias (GPU run 63: 94 builds in 50
+    dynamic-padding steps, against 2 through the transformers integration, which passes lengths)."""
+    family = (q.dtype, q.shape[1], k.shape[1], q.shape[3])
+    lengths = (q.shape[2], k.shape[2])
+    if _bias_lengths.setdefault(family, lengths) != lengths:
+        counters.log_once(("dense", "bias_per_length") + family, logging.INFO,
+                          "attention with a bias or mask tensor (%s, H=%d/%d, D=%d) builds a cuDNN graph for each "
+                          "new sequence length: its strides follow the length, so the length buckets cannot serve "
+                          "it (builds are in csp.report()); Hugging Face models avoid this for padding masks "
+                          "with csp.integrations.transformers.register() and attn_implementation=\"cudnn\", "
+                          "which pass per-sequence lengths", *family)
+
+
 def _bind_forward(q, k, v, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p, compute_lse,
                   rng_dump):
     b, h, s_q, _ = q.shape
+    if bias is not None:
+        _note_bias_length(q, k)
     repair = tuple(not layout.usable(t) for t in (q, k, v))
     qr, kr, vr = (layout.repaired(t) if fix else t for t, fix in zip((q, k, v), repair))
     out = layout.dense_out(q, (b, h, s_q, v.shape[3]))
