@@ -15,7 +15,7 @@ import torch
 from .hooks import activation
 from .core import arguments, counters, known_issues, support
 from .engine import machine
-from .ops import route
+from .ops import dense_varlen, route
 from .core.reasons import Reason
 
 __all__ = ["report", "explain", "DoctorRow", "feature_rows", "known_issue_rows", "self_test"]
@@ -98,7 +98,7 @@ def _paged_problem(q, k_cache, v_cache, table, cu_seqlens_q, max_seqlen_q, sinks
     (B, H, max_seqlen_q, D) batch (a shape-only stand-in here: nothing is copied)."""
     from .ops import paged_ops
 
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))
+    grad = dense_varlen.grad_needed(q, k_cache, v_cache, sinks)  # as csp.attention decides it
     device = q.device
     if cu_seqlens_q is not None:
         cu_q = arguments.cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)

@@ -440,8 +440,9 @@ VarlenFunction = _eager_function(
 
 
 def grad_needed(*tensors) -> bool:
-    """Whether autograd records this call: grad mode is on and an input (None allowed) needs a gradient."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd records a call on these inputs (None allowed): grad mode is on and one needs a
+    gradient (``_needs_grad``, the kernels' own test, which runs with grad mode off under ``apply``)."""
+    return torch.is_grad_enabled() and _needs_grad(*tensors)
 
 
 def autograd_needed(grad: bool) -> bool:

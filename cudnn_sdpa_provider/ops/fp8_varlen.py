@@ -244,6 +244,6 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, recipe, scale: float, is_causal: bool, fallback: bool):
     """Checked arguments (``csp.fp8.attention``) in, the output (T_q, H_q, D_v) in q's dtype out."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # the LSE only for a backward
+    grad = ops.grad_needed(q, k, v)  # the LSE only for a backward
     return _Attention.apply(q, k, v, cu_q, None if cu_kv is cu_q else cu_kv, max_q, max_kv, recipe.id, scale, is_causal, recipe.scale_s,
                             recipe.margin, recipe.grad_dtype, fallback, recipe.scaling == "delayed", grad)
