@@ -122,6 +122,49 @@ def test_dense_override_serves_marks_and_backward_follows(cuda_like):
     assert region.served["dense_fwd"] == 1 and region.served["dense_bwd"] == 1
 
 
+def test_a_new_length_of_a_decided_class_is_decided_without_a_problem(cuda_like, monkeypatch):
+    """The F.sdpa forward at a new length takes the decision made at another length of its
+    ``support.length_class`` (no problem built, no rule run) and is served; a length of another
+    class, or a call with a bias, is decided afresh."""
+    built = []
+    real = route.dense_problem
+    monkeypatch.setattr(route, "dense_problem", lambda *a, **kw: built.append(a[0].shape[2]) or real(*a, **kw))
+    kernels = overrides._Dense(_Original(), _Original())
+    before = counters.stats()
+    for s in (40, 41, 57, 1):
+        q, k, v = _qkv((1, 2, s, 8), seed=s, requires_grad=False)
+        out = kernels.forward(None, q, k, v, None, False, 0.0, False, False, scale=None)[0]
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, compute_dtype=torch.float64)
+        assert_rel_close(out, want, 1e-6, f"out at S {s}")
+    assert built == [40, 1], "S 41 and 57 share S 40's class; S 1 is a class of its own"
+    q, k, v = _qkv((1, 2, 42, 8), requires_grad=False)
+    kernels.forward(None, q, k, v, torch.zeros(1, 1, 42, 42), False, 0.0, False, False, scale=None)
+    assert built == [40, 1, 42], "a bias's call is decided by its own problem"
+    assert (counters.stats() - before).served["dense_fwd"] == 5
+
+
+def test_entry_shares_a_class_decision_as_a_copy():
+    """A signature's entry taken from its class is its own: cuDNN refusing one length (``call``
+    replaces that entry's reasons) leaves the other lengths' decisions as they were."""
+    route.clear()
+    made = []
+
+    def problem():
+        made.append(1)
+        return support.Problem(kind="dense", backward=False, device_type="cpu", dtypes=(torch.float32,) * 3,
+                               batch=1, h_q=2, h_k=2, h_v=2, s_q=40, s_kv=40, d_qk=8, d_v=8)
+
+    free = ("lengths_free", support.length_class(40, 40))
+    first = route.entry(("sig", 40), problem, None, free)
+    second = route.entry(("sig", 41), problem, None, free)
+    assert len(made) == 1 and first is not second and first.reasons == second.reasons
+    second.reasons = []
+    assert route.entry(("sig", 42), problem, None, free).reasons == first.reasons != []
+    route.entry(("sig", 1), problem, None, ("lengths_free", support.length_class(1, 40)))
+    assert len(made) == 2
+    route.clear()
+
+
 def test_inference_mode_first_then_training(cuda_like):
     """Issue #14 item 4: nothing made under inference_mode is reused by a training call."""
     q, k, v = _qkv((1, 2, 8, 8), requires_grad=False)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from cudnn_sdpa_provider.engine import machine
@@ -347,3 +347,35 @@ def test_capabilities_on_this_cpu_machine():
     assert c.cuda is False and c.unavailable
     cpu = problem(device_type="cpu")
     assert slugs(cpu, c) == ["no_cuda"]
+
+
+# ``length_class``: what the rules read of the lengths. ``route.entry`` shares one decision across the
+# lengths of a class, so a rule that reads a length in a way the class does not capture would serve
+# (or refuse) a length on another length's decision: every rule is checked here on random problems.
+
+_LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 3, 1023, 1024, 1025]), st.integers(min_value=0, max_value=3000))
+_MACHINES = [caps(), caps(cudnn_version=91400), caps(cudnn_version=92600), caps(cudnn_version=91200),
+             caps(compute_capability=(10, 0)), caps(compute_capability=(8, 0), cudnn_version=90600)]
+
+
+@given(kind=st.sampled_from(["dense", "paged"]), backward=st.booleans(), sinks=st.booleans(),
+       left=st.sampled_from([-1, 0, 64]), right=st.sampled_from([-1, 0, 64]), batch=st.integers(1, 3),
+       h_q=st.sampled_from([1, 2, 8]), dropout=st.sampled_from([0.0, 0.1]), s=st.tuples(_LENGTHS, _LENGTHS),
+       other=st.tuples(_LENGTHS, _LENGTHS))
+def test_lengths_of_one_class_have_the_same_reasons(kind, backward, sinks, left, right, batch, h_q, dropout, s,
+                                                    other):
+    assume(support.length_class(*s) == support.length_class(*other))
+
+    def p(lengths):
+        return problem(kind=kind, backward=backward, sinks=sinks, window=(left, right), batch=batch, h_q=h_q,
+                       h_k=h_q, h_v=h_q, dropout_p=dropout, s_q=lengths[0], s_kv=lengths[1],
+                       empty=min(lengths) == 0)
+
+    for machine_caps in _MACHINES:
+        assert slugs(p(s), machine_caps) == slugs(p(other), machine_caps), (s, other, machine_caps)
+
+
+def test_length_class_tells_apart_what_the_rules_read():
+    assert support.length_class(0, 5) != support.length_class(1, 5) != support.length_class(2, 5)
+    assert support.length_class(700, 1024) != support.length_class(700, 1025)
+    assert support.length_class(700, 731) == support.length_class(3, 1000)

@@ -36,6 +36,7 @@ Variable                                              Meaning
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import NamedTuple
@@ -200,8 +201,14 @@ def parse_shape_buckets(raw: str | None) -> Parsed:
     return Parsed("auto", f"{SHAPE_BUCKETS}={raw!r} is not a valid value; use auto, 1 or 0. Using auto.")
 
 
+@functools.lru_cache(maxsize=16)
+def _shape_buckets_parsed(raw: str | None) -> Parsed:
+    return parse_shape_buckets(raw)
+
+
 def shape_buckets() -> str:
-    return _read(parse_shape_buckets(os.environ.get(SHAPE_BUCKETS)))  # type: ignore[return-value]
+    # read at each new length's binding (``folded.mode``): the parse is kept per raw value
+    return _read(_shape_buckets_parsed(os.environ.get(SHAPE_BUCKETS)))  # type: ignore[return-value]
 
 
 def parse_fp8_quant(raw: str | None) -> Parsed:

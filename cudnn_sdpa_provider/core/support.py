@@ -29,6 +29,7 @@ __all__ = [
     "known_issue",
     "MIN_CUDNN",
     "reasons",
+    "length_class",
     "canonical_window",
     "cudnn_bounds",
     "version_str",
@@ -300,6 +301,14 @@ def _ragged(p: Problem, c: Capabilities) -> str | None:
     if p.kind in ("varlen", "fp8") and p.ragged_extent > INT32_MAX:  # fp8: packed (csp.fp8, cu_seqlens)
         return f"packed extent {p.ragged_extent} elements exceeds int32 ragged offsets"
     return None
+
+
+def length_class(s_q: int, s_kv: int) -> tuple:
+    """What ``RULES`` and the known-issues table read of a call's lengths: whether each is 0, 1 or
+    more, and whether S_kv passes 1024 (cuDNN 9.14.0's window bug). Two dense problems equal in
+    every other field and in this class have the same reasons (tests/test_support.py checks every
+    rule on random problems): ``route.entry`` decides a dense call once per class of lengths."""
+    return min(s_q, 2), min(s_kv, 2), s_kv > 1024
 
 
 #: Evaluated in order; the first reason is the one counted, ``explain()`` shows them all. One rule

@@ -43,7 +43,8 @@ def family(*tensors) -> tuple | None:
         kind = fv.layout_of(t)
         if kind is None:
             return None
-        parts.append((t.shape[0], t.shape[1], t.shape[3], t.dtype, t.data_ptr() % layout.ALIGN == 0, kind))
+        shape = t.shape
+        parts.append((shape[0], shape[1], shape[3], t.dtype, t.data_ptr() % layout.ALIGN == 0, kind))
     return tuple(parts)
 
 
@@ -110,17 +111,24 @@ def rebind(template: Binding, callers: tuple, q, k, *, window, bottom_right: boo
         if not fv.follows(t, kind):
             return None
     b, s_q, h_kv, s_kv = q.shape[0], q.shape[2], k.shape[1], k.shape[2]
-    n = b * h_kv
-    ops = [fv.operand_at(spec, s_q if side else s_kv, h_kv, q.device, stream) for spec, side in specs]
-    if max(end for end, _ in ops) > folded.INT32_MAX:
-        return None
-    wanted = [fv.length_request(n, s_q, q.device, stream), fv.length_request(n, s_kv, q.device, stream)]
-    wanted += [request for _, request in ops]
+    n, device = b * h_kv, q.device
+    wanted = [fv.length_request(n, s_q, device, stream), fv.length_request(n, s_kv, device, stream)]
+    seen: dict = {}  # Q and O (K and V) share a spec: their offsets once
+    for spec_side in specs:
+        op = seen.get(spec_side)
+        if op is None:
+            spec, side = spec_side
+            op = seen[spec_side] = fv.operand_at(spec, s_q if side else s_kv, h_kv, device, stream)
+            if op[0] > folded.INT32_MAX:
+                return None
+        wanted.append(op[1])
     chunk = ([spec for spec, _ in specs], n, h_kv, s_q) if s_q == s_kv > 1 else None
-    tensors = folded.small_tensors(wanted, q.device, stream, chunk=chunk)
-    dead = folded.dead_rows(s_q, s_kv, window, bottom_right, q.device)
+    tensors = folded.small_tensors(wanted, device, stream, chunk=chunk)
+    dead = folded.dead_rows(s_q, s_kv, window, bottom_right, device)
     outputs = tuple(folded.output_layout(rule, callers) for rule in rules)
-    extra = {key: value for key, value in template.extra.items() if key not in _OWN}
-    extra.update(tensors=tensors, dead=dead, made=folded.made_at(q.device, dead))
+    extra = dict(template.extra)
+    for key in _OWN:
+        extra.pop(key, None)
+    extra.update(tensors=tensors, dead=dead, made=folded.made_at(device, dead))
     return Binding(plan=template.plan, uids=template.uids, repair=template.repair, outputs=outputs,
                    direct=template.direct, extra=extra, fix=template.fix)

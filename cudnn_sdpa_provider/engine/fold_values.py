@@ -115,9 +115,24 @@ def operand(t: torch.Tensor, h_kv: int, groups: int, stream: int):
 
 def operand_at(spec: tuple, s: int, h_kv: int, device, stream: int):
     """``operand``'s (end, request) for the operand that ``spec`` (``spec``) describes, at length
-    ``s``, from arithmetic alone: no tensor is made or looked at."""
+    ``s``, from arithmetic alone: no tensor is made or looked at. ``strides`` and ``fold_strides``
+    written out (a new length's binding computes it for every operand: ``fold_family.rebind``);
+    tests/test_folded.py compares it with ``operand`` on tensors of both layouts."""
     kind, b, h, d, item, groups = spec
-    return _operand((b, h, s, d), strides(kind, h, s, d), item, h_kv, groups, device, stream)
+    if kind == "bhsd":
+        s_b, s_h, s_s = h * s * d, s * d, d
+    else:
+        s_b, s_h, s_s = s * h * d, d, h * d
+    sg = s_h * groups if h_kv > 1 else 0
+    tail = (h - 1) * s_h + (s - 1) * s_s + d  # the last element of one batch row, plus one (stride(3) is 1)
+    if b > 1:
+        sb = s_b
+    else:
+        per = layout.ALIGN // item
+        sb = max(h_kv * sg, -(-tail // per) * per)
+    n = b * h_kv
+    return b * sb + tail, (
+        ("off", device, stream, n, h_kv, sb, sg), (lambda: _offsets(n, h_kv, sb, sg)))
 
 
 def _operand(shape, stride, item: int, h_kv: int, groups: int, device, stream: int):
@@ -142,12 +157,11 @@ def _offset_rows(n: int, h_kv: int, sb, sg) -> torch.Tensor:
 
 def layout_of(t: torch.Tensor) -> str | None:
     """``"bhsd"`` (contiguous), ``"bshd"`` (token-major, seen through ``transpose(1, 2)``) or None: the
-    layouts whose strides follow from their length alone."""
-    if t.is_contiguous():
+    layouts whose strides follow from their length alone (``follows``; ``"bhsd"`` where both do)."""
+    shape, got = t.shape, t.stride()
+    if _follows(shape, got, "bhsd"):
         return "bhsd"
-    if t.transpose(1, 2).is_contiguous():
-        return "bshd"
-    return None
+    return "bshd" if _follows(shape, got, "bshd") else None
 
 
 def strides(kind: str, h: int, s: int, d: int) -> tuple:
@@ -158,9 +172,17 @@ def strides(kind: str, h: int, s: int, d: int) -> tuple:
 def follows(t: torch.Tensor, kind: str) -> bool:
     """Whether ``t``'s strides are those of layout ``kind`` at its shape (``strides``) at every dim
     of extent above 1 (a size-1 dim's stride is arbitrary in PyTorch and never stepped)."""
-    want = strides(kind, t.shape[1], t.shape[2], t.shape[3])
-    got = t.stride()
-    return got == want or all(g == w for n, g, w in zip(t.shape, got, want) if n > 1)
+    return _follows(t.shape, t.stride(), kind)
+
+
+def _follows(shape, got, kind: str) -> bool:
+    # ``strides`` compared dim by dim, written out: a new length's binding checks every operand
+    b, h, s, d = shape
+    if d > 1 and got[3] != 1:
+        return False
+    if kind == "bhsd":
+        return (s <= 1 or got[2] == d) and (h <= 1 or got[1] == s * d) and (b <= 1 or got[0] == h * s * d)
+    return (h <= 1 or got[1] == d) and (s <= 1 or got[2] == h * d) and (b <= 1 or got[0] == s * h * d)
 
 
 def spec(t: torch.Tensor, groups: int) -> tuple | None:

@@ -253,6 +253,16 @@ def small_tensors(wanted: list, device, stream, decode=None, chunk=None) -> tupl
         specs, n, h_kv, s = chunk
         if fv.length_key(n, s, device, stream) not in fv.kept():
             blocks = fv.chunk(specs, n, h_kv, s, seqlen_bucket(s), device, stream)
+    if not blocks:  # every tensor kept (a length seen before, or uploaded with its chunk): no upload
+        cache, kept = fv.kept(), []
+        for key, _ in wanted:
+            t = cache.get(key)
+            if t is None:
+                break
+            cache.move_to_end(key)
+            kept.append(t)
+        else:
+            return tuple(kept)
     found = fv.resolve(wanted, device, blocks)
     return tuple(found[key] for key, _ in wanted)
 
@@ -304,13 +314,6 @@ def bind_forward(q, k, v, *, scale: float, window, bottom_right: bool, compute_l
                    fix=copy_q)
 
 
-def _layout(t: torch.Tensor) -> str | None:
-    """``t``'s layout (``fold_values.layout_of``) when its strides are that layout's at its shape
-    (``fold_values.follows``), else None."""
-    kind = fv.layout_of(t)
-    return kind if kind is not None and fv.follows(t, kind) else None
-
-
 def output_layout(rule: tuple, callers) -> tuple:
     """(size, stride) of an output by its rule (``lengths_form``), from the call's operands alone:
     ``("like", i, None)``, ``empty_like(callers[i])`` (a gradient, ``layout.grad_like``);
@@ -334,10 +337,10 @@ def lengths_form(callers, operands, sides, outputs) -> tuple | None:
     strides, the offsets) follows from the lengths and the call's own strides alone."""
     if len(sides) != len(operands):
         raise ValueError(f"lengths_form: {len(operands)} operands but {len(sides)} sides")
-    kinds = tuple(_layout(t) for t in callers)
+    kinds = tuple(fv.layout_of(t) for t in callers)
     if None in kinds or any(t.shape[3] * t.element_size() % layout.ALIGN for t in callers):
         return None
-    if any(_layout(t) is None for t, _ in operands):
+    if any(fv.layout_of(t) is None for t, _ in operands):
         return None
     if any(output_layout(rule, callers) != (tuple(t.shape), t.stride()) for t, rule in outputs):
         return None

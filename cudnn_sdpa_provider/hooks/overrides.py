@@ -53,6 +53,16 @@ def _unused_philox(device: torch.device) -> tuple:
     return (torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device))
 
 
+def _lengths_free(signature: tuple, q, k, v) -> tuple:
+    """The forward's signature without its lengths (``route.entry``): each operand's batch, heads,
+    head dim and dtype (all its problem reads of it but S; no strides: the problem holds none), the
+    options, and the lengths' ``support.length_class``. Only for a call without a bias (a bias's
+    shape is a length)."""
+    qs, ks, vs = q.shape, k.shape, v.shape
+    return ("sdpa_fwd_lengths", signature[1], (qs[0], qs[1], qs[3], q.dtype), (ks[0], ks[1], ks[3], k.dtype),
+            (vs[0], vs[1], vs[3], v.dtype), signature[5:], support.length_class(qs[2], ks[2]))
+
+
 #: A configuration the known-issues table keeps off cuDNN is kept off PyTorch's own cuDNN kernels too:
 #: they run on the same cuDNN (GPU run 51: PyTorch's cuDNN backward segfaults at the
 #: NVIDIA/cudnn-frontend#1071 shape on cuDNN 9.28.1, as the bare graph does). Such a call runs on the
@@ -133,7 +143,8 @@ class _Dense:
                      compute_log_sumexp)
         found = route.entry(signature, lambda: route.dense_problem(
             query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p, recompute=recompute,
-            unsupported=("return_debug_mask",) if return_debug_mask else ()), query.device.index)
+            unsupported=("return_debug_mask",) if return_debug_mask else ()), query.device.index,
+            None if attn_bias is not None else _lengths_free(signature, query, key, value))
         if dropout_p > 0.0 and compute_log_sumexp and found.first is None:
             found = _dropout_guard(signature, query, key, value, window, attn_bias, dropout_p) or found
         strict = scope.strict()

@@ -144,21 +144,35 @@ def _cache() -> OrderedDict:
     return cache
 
 
-def entry(signature: tuple, problem: Callable[[], support.Problem], device_index: int | None = None) -> Entry:
+def entry(signature: tuple, problem: Callable[[], support.Problem], device_index: int | None = None,
+          lengths_free: tuple | None = None) -> Entry:
     """The entry of a call signature (this thread's cache; ``problem()`` is built on a miss only).
-    Deterministic backwards whose workspace depends on free memory are decided afresh each call."""
+    Deterministic backwards whose workspace depends on free memory are decided afresh each call.
+    ``lengths_free``: a key that holds everything ``problem()`` depends on but the exact lengths,
+    and their ``support.length_class`` instead (a dense call without a bias: its problem reads only
+    shapes, dtypes and options); a signature missed at a new length then takes the decision made
+    at another length of its class, as a copy (a length that cuDNN refuses at build time is marked
+    on its own signature only, ``call``)."""
     cache = _cache()
     found = cache.get(signature)
     if found is not None:
         cache.move_to_end(signature)
         return found
-    p = problem()
-    found = Entry(reasons_for(p, device_index))
-    caps = machine.capabilities(device_index if p.device_type == "cuda" else None)
-    if not support.deterministic_workspace_bytes(p, caps):
-        cache[signature] = found
-        while len(cache) > env.cache_size():
-            cache.popitem(last=False)
+    shared = cache.get(lengths_free) if lengths_free is not None else None
+    if shared is not None:
+        cache.move_to_end(lengths_free)
+        found = Entry(list(shared.reasons))
+    else:
+        p = problem()
+        found = Entry(reasons_for(p, device_index))
+        caps = machine.capabilities(device_index if p.device_type == "cuda" else None)
+        if support.deterministic_workspace_bytes(p, caps):
+            return found
+        if lengths_free is not None:
+            cache[lengths_free] = Entry(list(found.reasons))
+    cache[signature] = found
+    while len(cache) > env.cache_size():
+        cache.popitem(last=False)
     return found
 
 
