@@ -23,7 +23,8 @@ Variable                                              Meaning
                                                       the bucket's is built; only where the GPU
                                                       sweeps passed, ``folded.VERIFIED``); ``1``
                                                       always the bucket's; ``0`` an exact graph
-                                                      per length.
+                                                      per length (and every F.sdpa ``attn_mask``
+                                                      kept as a bias: ``ops.bias_lengths``).
 ``CUDNN_SDPA_PROVIDER_FP8_QUANT``                     ``auto`` (default): FP8 quantisation of
                                                       bf16/fp16/fp32 tensors in Triton kernels on
                                                       CUDA where triton imports and the GPU is in

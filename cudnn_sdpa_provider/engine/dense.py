@@ -195,10 +195,9 @@ def _fold_wanted(s_q: int, s_kv: int, device) -> bool | None:
     is already built (so a growing decode builds one graph per doubling, and a fixed power-of-two
     shape keeps today's exact graph). In the default mode only where the folded graphs were verified
     on the GPU (``folded.verified``)."""
-    mode = folded.mode()
-    if mode == "off" or mode == "auto" and not folded.verified(device):
+    if not folded.buckets_on(device):
         return False
-    return True if mode == "on" or not (_pow2(s_q) and _pow2(s_kv)) else None
+    return True if folded.mode() == "on" or not (_pow2(s_q) and _pow2(s_kv)) else None
 
 
 #: Calls of one exact shape after which a folded binding with S_q > 1 gives way to the exact graph.

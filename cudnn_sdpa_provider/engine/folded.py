@@ -52,7 +52,7 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "VERIFIED", "INT32_MAX", "verified", "verified_on", "capturing", "applies",
+__all__ = ["seqlen_bucket", "mode", "buckets_on", "VERIFIED", "INT32_MAX", "verified", "verified_on", "capturing", "applies",
            "made_at", "dead_rows", "lengths_form", "output_layout", "small_tensors", "bind_forward", "run_forward",
            "bind_backward", "run_backward"]
 
@@ -70,6 +70,13 @@ def mode() -> str:
     """``"auto"``, ``"on"`` or ``"off"`` (``CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS``), read when a call
     signature is first bound, never per call."""
     return env.shape_buckets()
+
+
+def buckets_on(device) -> bool:
+    """Whether calls on ``device`` take the length buckets: mode ``on``, or ``auto`` where the folded
+    graphs were verified (``verified``)."""
+    m = mode()
+    return m == "on" or m == "auto" and verified(device)
 
 
 def _q_like_ok(t: torch.Tensor, groups: int) -> bool:

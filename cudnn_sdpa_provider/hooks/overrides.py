@@ -22,14 +22,15 @@ registered after the scope exits while any such forward can still be differentia
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 
-from ..core import arguments, layout, markers, rows, scope, support
+from ..core import arguments, counters, layout, markers, rows, scope, support
 from ..core.reasons import Slug
 from ..engine import dense
-from ..ops import composite, route
+from ..ops import bias_lengths, composite, route
 from ..engine.binding import tensor_key
 from ..ops.route import describe_call
 from .varlen_hooks import VARLEN_ARGUMENTS, Varlen as _Varlen, bind as _bind, scale_of as _scale
@@ -61,6 +62,19 @@ def _lengths_free(signature: tuple, q, k, v) -> tuple:
     qs, ks, vs = q.shape, k.shape, v.shape
     return ("sdpa_fwd_lengths", signature[1], (qs[0], qs[1], qs[3], q.dtype), (ks[0], ks[1], ks[3], k.dtype),
             (vs[0], vs[1], vs[3], v.dtype), signature[5:], support.length_class(qs[2], ks[2]))
+
+
+def _padding(attn_bias, query, key, dropout_p, refused: bool):
+    """The bias as a right-padding mask (``bias_lengths``), or None: a call with dropout, or one
+    whose bias needs a gradient or whose debug mask is asked for, keeps its bias."""
+    if attn_bias is None or refused or dropout_p > 0.0:
+        return None
+    found = bias_lengths.recognise(attn_bias, query, key)
+    if found is not None:
+        counters.log_once(("bias_lengths", found.window), logging.INFO, "F.sdpa's attn_mask is a %s right-padding "
+                          "mask: served as per-sequence lengths (one graph per doubling of S)",
+                          "causal" if found.window == (-1, 0) else "bidirectional")
+    return found
 
 
 #: A configuration the known-issues table keeps off cuDNN is kept off PyTorch's own cuDNN kernels too:
@@ -137,14 +151,18 @@ class _Dense:
         window = _WINDOWS[bool(is_causal)]
         recompute = route.recompute(dropout_p)
         bias_grad = attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()
+        padding = _padding(attn_bias, query, key, dropout_p, bias_grad or return_debug_mask)
+        bias = None if padding is not None else attn_bias  # what the engine is given
+        if padding is not None:
+            window = padding.window
         # One signature for the route's decision and the engine's binding (it covers both).
         signature = ("sdpa_fwd", query.device.index, tensor_key(query), tensor_key(key), tensor_key(value),
-                     tensor_key(attn_bias), bias_grad, dropout_p, window, bool(return_debug_mask), recompute, scale,
-                     compute_log_sumexp)
+                     tensor_key(bias) if padding is None else ("padding", window), bias_grad, dropout_p, window,
+                     bool(return_debug_mask), recompute, scale, compute_log_sumexp)
         found = route.entry(signature, lambda: route.dense_problem(
-            query, key, value, window=window, bias=attn_bias, dropout_p=dropout_p, recompute=recompute,
-            unsupported=("return_debug_mask",) if return_debug_mask else ()), query.device.index,
-            None if attn_bias is not None else _lengths_free(signature, query, key, value))
+            query, key, value, window=window, bias=bias, dropout_p=dropout_p, recompute=recompute,
+            padded=padding is not None, unsupported=("return_debug_mask",) if return_debug_mask else ()),
+            query.device.index, None if attn_bias is not None else _lengths_free(signature, query, key, value))
         if dropout_p > 0.0 and compute_log_sumexp and found.first is None:
             found = _dropout_guard(signature, query, key, value, window, attn_bias, dropout_p) or found
         strict = scope.strict()
@@ -153,10 +171,15 @@ class _Dense:
             # Drawn only once the call is served: a fallback consumes no RNG state, so PyTorch's
             # kernel then draws exactly what it would have drawn natively.
             philox = rows.new_philox(query.device, 4) if dropout_p > 0.0 else None  # elements 0, 2: aligned
-            out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
-                                     dropout_p=float(dropout_p), compute_lse=compute_log_sumexp,
-                                     philox=(philox[0], philox[2]) if philox is not None else None,
-                                     signature=signature)
+            if padding is not None:  # the engine keys the lengths' tensors itself
+                out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window,
+                                         seq_len_q=padding.seq_len_q, seq_len_kv=padding.seq_len_kv,
+                                         compute_lse=compute_log_sumexp)
+            else:
+                out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
+                                         dropout_p=float(dropout_p), compute_lse=compute_log_sumexp,
+                                         philox=(philox[0], philox[2]) if philox is not None else None,
+                                         signature=signature)
             if compute_log_sumexp:  # a backward can follow: the LSE it will receive is the marker
                 markers.mark(lse, markers.Record(served=True, strict=strict))
             seed, offset = _unused_philox(query.device) if philox is None else (philox[0], philox[2])
@@ -202,14 +225,24 @@ class _Dense:
             return route.call("dense_bwd", route.fixed(record.reason, "its forward fell back"), None, native, describe,
                               strict=False)
         deterministic = torch.are_deterministic_algorithms_enabled()
+        padding = _padding(attn_bias, query, key, dropout_p, False)  # the forward's answer, kept with the bias
+        bias = None if padding is not None else attn_bias
+        if padding is not None:
+            window = padding.window
         signature = ("sdpa_bwd", query.device.index, tensor_key(grad_out), tensor_key(query), tensor_key(key),
-                     tensor_key(value), tensor_key(out), tensor_key(logsumexp), tensor_key(attn_bias), dropout_p,
-                     window, deterministic, scale)
+                     tensor_key(value), tensor_key(out), tensor_key(logsumexp),
+                     tensor_key(bias) if padding is None else ("padding", window), dropout_p, window, deterministic,
+                     scale)
         found = route.entry(signature, lambda: route.dense_problem(
-            query, key, value, backward=True, window=window, bias=attn_bias, dropout_p=dropout_p,
+            query, key, value, backward=True, window=window, bias=bias, dropout_p=dropout_p, padded=padding is not None,
             deterministic=deterministic), query.device.index)
 
         def serve():
+            if padding is not None:
+                dq, dk, dv, _ = dense.backward(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
+                                               window=window, seq_len_q=padding.seq_len_q,
+                                               seq_len_kv=padding.seq_len_kv, deterministic=deterministic)
+                return dq, dk, dv
             dq, dk, dv, _ = dense.backward(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
                                            window=window, bias=attn_bias, dropout_p=dropout_p,
                                            philox=(philox_seed, philox_offset), deterministic=deterministic,

@@ -150,3 +150,43 @@ def test_padded_batches_of_changing_lengths_forward_backward():
         assert (out[2, :, int(lens[2]):] == 0).all() and (dk[2, :, int(lens[2]):] == 0).all()
     buckets = {1 << (s - 1).bit_length() for s in lengths}
     assert _builds() - built <= 3 * len(buckets), (_builds() - built, sorted(buckets))
+
+
+def test_a_padding_mask_through_f_sdpa_runs_as_lengths_forward_backward():
+    """HF's plain sdpa path: right padding as a (B, 1, S, S) boolean mask, causal, at 30 batch
+    lengths under ``enable()``. Served as per-sequence lengths (``ops.bias_lengths``): answers and
+    gradients as the fp32 reference with the mask and as native PyTorch on the same inputs, every
+    call served, and the builds bounded by the length buckets (as a bias: one graph per length)."""
+    b, h_q, h_kv, d = 3, 8, 2, 64
+    lengths = _lengths(20, 1500, 30, 5)
+    built = _builds()
+    before = counters.stats()
+    for s in lengths:
+        ops = [_canary_token_major(b, s, h, d).detach().requires_grad_() for h in (h_q, h_kv, h_kv)]
+        real = torch.tensor([s, max(s - 5, 1), max(s // 2, 1)], device=DEV)
+        j = torch.arange(s, device=DEV)
+        mask = ((j[None, :] < real[:, None])[:, None, None, :] & (j[None, :] <= j[:, None]))  # (B, 1, S, S)
+        with csp.enable():
+            out = F.scaled_dot_product_attention(*ops, attn_mask=mask, enable_gqa=True)
+        go = torch.randn_like(out)
+        grads = torch.autograd.grad(out, ops, go)
+        native = F.scaled_dot_product_attention(*ops, attn_mask=mask, enable_gqa=True)
+        native_grads = torch.autograd.grad(native, ops, go)
+        g = h_q // h_kv
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in ops)
+        bias = torch.zeros(mask.shape, device=DEV).masked_fill(~mask, float("-inf"))
+        want = reference.dense(qf, kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1), scale=d ** -0.5,
+                               bias=bias)[0]
+        wants = torch.autograd.grad(want, (qf, kf, vf), go.float())
+        assert_rel_close(out, want.detach().to(DT), TOL[DT], f"mask out at S={s}")
+        assert_rel_close(out, native, TOL[DT], f"mask out at S={s} vs native")
+        for name, got, ref, nat, tol in zip(("dq", "dk", "dv"), grads, wants, native_grads,
+                                            (grad_tol(DT), grad_tol(DT, g), grad_tol(DT, g))):
+            assert_rel_close(got, ref.to(DT), tol, f"mask {name} at S={s}")
+            assert_rel_close(got, nat, tol, f"mask {name} at S={s} vs native")
+        assert out.stride() == layout.dense_out(ops[0], tuple(out.shape)).stride(), "out in q's order, as native"
+        assert all(x.stride() == torch.empty_like(t).stride() for x, t in zip(grads, ops))
+    delta = (counters.stats() - before).to_dict()
+    assert delta["dense_fwd"]["served"] == len(lengths) and delta["dense_bwd"]["served"] == len(lengths), delta
+    buckets = {1 << (s - 1).bit_length() for s in lengths}
+    assert _builds() - built <= 3 * len(buckets), (_builds() - built, sorted(buckets))

@@ -1,0 +1,125 @@
+"""A bias that is a right-padding mask, served as per-sequence lengths.
+
+Hugging Face models hand ``F.scaled_dot_product_attention`` their padding as a (B, 1, S, S) mask,
+which PyTorch turns into a bias of 0 and -65504 before the cuDNN op sees it. A bias's strides follow
+S, so the engine builds an exact graph per length (GPU run 71: 94 builds in 50 dynamic-padding
+steps under ``enable()``, against 2 through the transformers integration, which passes lengths).
+Where the bias is exactly a right-padding mask, causal or not, it is the same attention as cuDNN's
+padding mask with ``seq_len_kv`` = each sequence's real tokens and ``seq_len_q`` = S: every query
+row, padded ones included, sees the keys the bias lets it see, and no row sees none. The engine
+serves that call with the length buckets (one graph per doubling of S).
+
+``recognise`` decides it on the device, in one synchronising read per bias tensor (a model's
+layers share one mask, and the backward finds the forward's answer; an inference tensor, which
+keeps no version counter, is read at each call), and only where it is exact:
+
+* S_q == S_kv > 1 and a 4-D bias (B or 1, H_q or 1, S, S) of a floating dtype, every entry 0 or
+  at most ``MASKED`` (-65504: what PyTorch's cuDNN path makes of a boolean mask's False; -inf and
+  ``finfo.min`` too);
+* every batch row has at least one real token, and for every row and head the entries at 0 are
+  exactly ``j < len`` (bidirectional) or ``j <= i and j < len`` (causal, top-left).
+
+Only where the length buckets are on (``folded.buckets_on``: ``CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS``;
+``0`` keeps every bias), never while tracing or capturing a CUDA graph (nothing can be read there),
+for a tensor subclass, or for a bias of more than ``MAX_ENTRIES`` entries (the comparison's
+temporaries). Anything else
+stays a bias on today's exact graph: left padding, a sequence of no real token (its rows see no
+key: a masked value there is not the same as no key), a sliding window, any other pattern.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..engine import folded
+
+__all__ = ["MAX_ENTRIES", "Padding", "recognise", "clear"]
+
+#: The most bias entries ``recognise`` reads (B 8 at S 4096): its comparison makes a few boolean
+#: tensors of the bias's size.
+MAX_ENTRIES = 1 << 27
+#: A bias entry at or below this masks its key: PyTorch's cuDNN path turns a boolean mask's False into
+#: -65504 (``convert_boolean_attn_mask_cudnn``, pytorch#177842), transformers' float masks use
+#: ``finfo.min``, other code -inf. In a row that sees a key, such a key's softmax weight,
+#: exp(score - 65504 - the row's best score), is 0 in fp32 unless its score exceeds the row's best by
+#: more than 65000: exactly what leaving it out gives.
+MASKED = -65504.0
+
+_lock = threading.Lock()
+# bias -> (its version counter when read, its Padding or None); kept while the bias lives, for
+# every thread (autograd runs a CUDA backward on a thread of its own)
+_memo = WeakIdKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Padding:
+    """What a recognised bias is: the window, and (B,) int32 lengths on the bias's device."""
+
+    window: tuple[int, int]
+    seq_len_q: torch.Tensor
+    seq_len_kv: torch.Tensor
+
+
+def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
+    """The call's bias as a right-padding mask (module docstring), or None: keep the bias."""
+    if not _candidate(bias, q, k):
+        return None
+    if bias.is_inference():  # no version counter: read at every call (prefill only: S_q == S_kv)
+        found = _read(bias)
+    else:
+        with _lock:
+            seen = _memo.get(bias)
+        if seen is not None and seen[0] == bias._version:
+            found = seen[1]
+        else:
+            found = _read(bias)
+            with _lock:
+                _memo[bias] = (bias._version, found)
+    if found is None:
+        return None
+    if found.seq_len_kv.shape[0] != q.shape[0]:  # a bias broadcast over the batch
+        lengths = found.seq_len_kv.expand(q.shape[0]).contiguous()
+        return Padding(found.window, torch.full_like(lengths, q.shape[2]), lengths)
+    return found
+
+
+def clear() -> None:
+    """Forget every answer (tests)."""
+    with _lock:
+        _memo.clear()
+
+
+def _candidate(bias, q, k) -> bool:
+    """The host-side conditions: nothing read on the device."""
+    if type(bias) is not torch.Tensor or bias.dim() != 4 or not bias.dtype.is_floating_point or bias.is_meta:
+        return False
+    s = q.shape[2]
+    if s < 2 or k.shape[2] != s or tuple(bias.shape[2:]) != (s, s) or bias.numel() > MAX_ENTRIES:
+        return False
+    if bias.shape[0] not in (1, q.shape[0]) or bias.shape[1] not in (1, q.shape[1]):
+        return False
+    if torch.compiler.is_compiling() or bias.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return folded.buckets_on(q.device)  # else an exact graph per length either way: keep the bias
+
+
+def _read(bias: torch.Tensor) -> Padding | None:
+    """The ``Padding`` of ``bias``'s own batch where it is a right-padding mask, else None: one read."""
+    s = bias.shape[-1]
+    allowed = bias == 0
+    lengths = allowed[:, 0, -1, :].sum(-1, dtype=torch.int32)  # the last row sees every real key in both
+    j = torch.arange(s, device=bias.device)
+    keys = (j < lengths[:, None])[:, None, None, :]  # (B|1, 1, 1, S)
+    only_0_or_masked = (allowed | (bias <= MASKED)).all()
+    bidirectional = (allowed == keys).all()
+    causal = (allowed == (keys & (j[None, :] <= j[:, None]))).all()
+    flags = torch.stack([only_0_or_masked, (lengths > 0).all(), bidirectional, causal]).tolist()
+    if not (flags[0] and flags[1]):
+        return None
+    if not (flags[2] or flags[3]):
+        return None
+    return Padding((-1, 0) if flags[3] else (-1, -1), torch.full_like(lengths, s), lengths)

@@ -1,0 +1,247 @@
+"""CPU tier: a bias that is a right-padding mask runs as per-sequence lengths (``ops.bias_lengths``).
+
+What is recognised and what is not, the one read per bias tensor, and the F.sdpa override served
+through it on the stand-in cuDNN: answers and gradients against the fp64 reference with the bias
+itself, the engine given lengths (no bias), one graph per direction across new lengths of a bucket.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_sdpa_provider.core import counters, env, support
+from cudnn_sdpa_provider.engine import dense, graphs
+from cudnn_sdpa_provider.hooks import overrides
+from cudnn_sdpa_provider.ops import bias_lengths, reference, route
+from tests import fake_cudnn
+from tests.util import assert_rel_close
+
+INF = float("-inf")
+
+
+def _mask(lengths, s, *, causal=True, left=False):
+    """(B, 1, S, S) bool: True where a query row may see a key, as transformers builds it."""
+    j = torch.arange(s)
+    rows = []
+    for n in lengths:
+        keys = (j >= s - n) if left else (j < n)
+        allowed = keys[None, :].expand(s, s)
+        if causal:
+            allowed = allowed & (j[None, :] <= j[:, None])
+        rows.append(allowed)
+    return torch.stack(rows)[:, None]
+
+
+def _bias(mask, dtype=torch.float32, fill=INF):
+    """The bias PyTorch makes of a boolean mask: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, fill)
+
+
+def _qk(b=3, h=2, s=9, d=8):
+    return torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setenv(env.SHAPE_BUCKETS, "1")  # the length buckets on, as on a verified GPU
+    bias_lengths.clear()
+    yield
+    bias_lengths.clear()
+
+
+@pytest.mark.parametrize("causal, window", [(True, (-1, 0)), (False, (-1, -1))])
+def test_a_right_padding_mask_is_its_lengths(causal, window):
+    q, k = _qk()
+    found = bias_lengths.recognise(_bias(_mask([9, 4, 1], 9, causal=causal)), q, k)
+    assert found.window == window
+    assert found.seq_len_kv.tolist() == [9, 4, 1] and found.seq_len_q.tolist() == [9, 9, 9]
+    assert found.seq_len_kv.dtype == found.seq_len_q.dtype == torch.int32
+
+
+def test_a_mask_broadcast_over_the_batch_gives_every_row_its_lengths():
+    q, k = _qk(b=4)
+    found = bias_lengths.recognise(_bias(_mask([6], 9)), q, k)
+    assert found.seq_len_kv.tolist() == [6] * 4 and found.seq_len_kv.is_contiguous()
+
+
+@pytest.mark.parametrize("fill", [INF, -65504.0, torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min])
+def test_every_masking_value_at_or_below_minus_65504_masks(fill):
+    """-65504 is what PyTorch's cuDNN path makes of a boolean mask's False; finfo.min transformers'."""
+    q, k = _qk()
+    found = bias_lengths.recognise(_bias(_mask([9, 4, 1], 9), fill=fill), q, k)
+    assert found.window == (-1, 0) and found.seq_len_kv.tolist() == [9, 4, 1]
+
+
+@pytest.mark.parametrize("what", ["left padding", "-65000", "a sequence of no tokens", "sliding window",
+                                  "one head differs", "a finite bias", "no bias entries at -inf but 0 everywhere "
+                                  "past a length"])
+def test_what_is_not_exactly_right_padding_keeps_its_bias(what):
+    q, k = _qk()
+    mask = _mask([9, 4, 2], 9)
+    bias = _bias(mask)
+    if what == "left padding":
+        bias = _bias(_mask([9, 4, 2], 9, left=True))
+    elif what == "-65000":  # masks weakly: exp(-65000) is 0, but not below the bound this holds to
+        bias = _bias(mask, fill=-65000.0)
+    elif what == "a sequence of no tokens":
+        bias = _bias(_mask([9, 4, 0], 9))
+    elif what == "sliding window":
+        j = torch.arange(9)
+        bias = _bias(mask & (j[None, :] > j[:, None] - 3))
+    elif what == "one head differs":
+        bias = _bias(mask.expand(3, 2, 9, 9).clone())
+        bias[1, 1, 5, 0] = INF
+    elif what == "a finite bias":
+        bias = bias.masked_fill(mask, 0.5)
+    else:
+        bias = torch.where(mask, 0.0, 1.0)
+    assert bias_lengths.recognise(bias, q, k) is None
+
+
+@pytest.mark.parametrize("what", ["decode", "3-D", "integer", "shape", "subclass", "compiling", "too large",
+                                  "buckets off", "meta"])
+def test_calls_it_does_not_read(what, monkeypatch):
+    """Host-side refusals: nothing is read on the device."""
+    reads = []
+    monkeypatch.setattr(bias_lengths, "_read", lambda bias: reads.append(1))
+    q, k = _qk()
+    bias = _bias(_mask([9, 4, 2], 9))
+    if what == "decode":
+        q = q[:, :, :1]
+        bias = bias[:, :, :1]
+    elif what == "3-D":
+        bias = bias[0]
+    elif what == "integer":
+        bias = bias.isinf().int()
+    elif what == "shape":
+        bias = bias[:, :, :, :8]
+    elif what == "subclass":
+        bias = torch.nn.Parameter(bias, requires_grad=False)
+    elif what == "compiling":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    elif what == "buckets off":  # an exact graph per length either way
+        monkeypatch.setenv(env.SHAPE_BUCKETS, "0")
+    elif what == "meta":
+        bias = bias.to("meta")
+    else:
+        monkeypatch.setattr(bias_lengths, "MAX_ENTRIES", bias.numel() - 1)
+    assert bias_lengths.recognise(bias, q, k) is None and reads == []
+
+
+def test_one_read_per_bias_tensor_until_it_is_written(monkeypatch):
+    reads = []
+    real = bias_lengths._read
+    monkeypatch.setattr(bias_lengths, "_read", lambda bias: reads.append(1) or real(bias))
+    q, k = _qk()
+    bias = _bias(_mask([9, 4, 2], 9))
+    for _ in range(3):
+        assert bias_lengths.recognise(bias, q, k).seq_len_kv.tolist() == [9, 4, 2]
+    assert len(reads) == 1
+    bias[0, 0, 3, 0] = INF  # written in place: read again, and no longer right padding (row 3 skips key 0)
+    assert bias_lengths.recognise(bias, q, k) is None and len(reads) == 2
+    other = _bias(_mask([9, 4, 2], 9))  # an equal tensor is another tensor
+    assert bias_lengths.recognise(other, q, k) is not None and len(reads) == 3
+
+
+# ------------------------------------------------------------- the F.sdpa override, served
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """CPU float32 tensors decided as if they were bf16 on a CUDA machine, on the stand-in cuDNN."""
+    fake_cudnn.install(monkeypatch)
+    monkeypatch.setattr(support, "RULES", tuple(r for r in support.RULES if r.slug not in ("no_cuda", "dtype")))
+    route.clear()
+    graphs.clear_cache()
+    yield
+    route.clear()
+    graphs.clear_cache()
+
+
+class _Original:
+    def call_boxed(self, *args, **kwargs):
+        raise AssertionError("a served call must not reach PyTorch's kernel")
+
+
+def _engine_spy(monkeypatch):
+    seen = []
+    for name in ("forward", "backward"):
+        real = getattr(dense, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            seen.append((_name, kw.get("bias") is not None, kw.get("seq_len_kv") is not None, kw.get("window")))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(dense, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(cuda_like, monkeypatch, causal):
+    seen = _engine_spy(monkeypatch)
+    kernels = overrides._Dense(_Original(), _Original())
+    before = counters.stats()
+    for s, lengths in ((40, [40, 17, 3]), (45, [45, 44, 1]), (57, [20, 57, 30])):  # one length bucket
+        gen = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(3, 4, s, 8, generator=gen) for _ in range(3))
+        bias = _bias(_mask(lengths, s, causal=causal))
+        result = kernels.forward(None, q, k, v, bias, True, 0.0, False, False, scale=None)
+        out, lse = result[0], result[1]
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, bias=bias.double(),
+                                  compute_dtype=torch.float64)
+        assert_rel_close(out, want, 1e-6, f"out at S {s}")
+        go = torch.randn(out.shape, generator=gen)
+        grads = kernels.backward(None, go, q, k, v, out, lse, result[6], result[7], bias, None, None, s, s, 0.0,
+                                 False, scale=None)
+        wants = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=8 ** -0.5,
+                                         bias=bias.double(), compute_dtype=torch.float64)[:3]
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, wants):
+            assert_rel_close(got, ref, 1e-6, f"{name} at S {s}")
+    window = (-1, 0) if causal else (-1, -1)
+    assert seen == [("forward", False, True, window), ("backward", False, True, window)] * 3
+    region = counters.stats() - before
+    assert region.served["dense_fwd"] == 3 and region.served["dense_bwd"] == 3
+    assert region.builds["built"] == 2, "one forward and one backward graph for the bucket's three lengths"
+
+
+def test_the_override_keeps_a_left_padding_mask_as_a_bias(cuda_like, monkeypatch):
+    seen = _engine_spy(monkeypatch)
+    kernels = overrides._Dense(_Original(), _Original())
+    q, k, v = (torch.randn(2, 2, 12, 8) for _ in range(3))
+    bias = _bias(_mask([12, 5], 12, left=True))
+    out = kernels.forward(None, q, k, v, bias, False, 0.0, False, False, scale=None)[0]
+    want, _ = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, bias=bias.double(),
+                              compute_dtype=torch.float64)
+    assert_rel_close(out, want, 1e-6, "out")
+    assert seen == [("forward", True, False, (-1, -1))]
+
+
+def test_an_inference_tensor_mask_is_read_at_each_call(cuda_like, monkeypatch):
+    """Under ``torch.inference_mode()`` (generation's prefill) the mask keeps no version counter:
+    it is read at every call, never remembered, and served as lengths."""
+    reads = []
+    real = bias_lengths._read
+    monkeypatch.setattr(bias_lengths, "_read", lambda bias: reads.append(1) or real(bias))
+    seen = _engine_spy(monkeypatch)
+    kernels = overrides._Dense(_Original(), _Original())
+    with torch.inference_mode():
+        q, k, v = (torch.randn(2, 2, 12, 8) for _ in range(3))
+        bias = _bias(_mask([12, 5], 12))
+        for _ in range(2):
+            out = kernels.forward(None, q, k, v, bias, False, 0.0, False, False, scale=None)[0]
+    want, _ = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, bias=bias.double(),
+                              compute_dtype=torch.float64)
+    assert_rel_close(out, want, 1e-6, "out")
+    assert len(reads) == 2 and seen == [("forward", False, True, (-1, 0))] * 2
+
+
+def test_a_bias_that_needs_its_gradient_is_not_read(cuda_like, monkeypatch):
+    reads = []
+    monkeypatch.setattr(bias_lengths, "_read", lambda bias: reads.append(1))
+    kernels = overrides._Dense(_Original(), _Original())
+    q, k, v = (torch.randn(2, 2, 12, 8) for _ in range(3))
+    bias = _bias(_mask([12, 5], 12)).requires_grad_()
+    with pytest.raises(AssertionError, match="must not reach"):  # bias_grad: a fallback to PyTorch's kernel
+        kernels.forward(None, q, k, v, bias, False, 0.0, False, False, scale=None)
+    assert reads == []
