@@ -155,12 +155,12 @@ def test_entry_shares_a_class_decision_as_a_copy():
                                batch=1, h_q=2, h_k=2, h_v=2, s_q=40, s_kv=40, d_qk=8, d_v=8)
 
     free = ("lengths_free", support.length_class(40, 40))
-    first = route.entry(("sig", 40), problem, None, free)
-    second = route.entry(("sig", 41), problem, None, free)
+    first = route.entry(("sig", 40), problem, None, lambda: free)
+    second = route.entry(("sig", 41), problem, None, lambda: free)
     assert len(made) == 1 and first is not second and first.reasons == second.reasons
     second.reasons = []
-    assert route.entry(("sig", 42), problem, None, free).reasons == first.reasons != []
-    route.entry(("sig", 1), problem, None, ("lengths_free", support.length_class(1, 40)))
+    assert route.entry(("sig", 42), problem, None, lambda: free).reasons == first.reasons != []
+    route.entry(("sig", 1), problem, None, lambda: ("lengths_free", support.length_class(1, 40)))
     assert len(made) == 2
     route.clear()
 

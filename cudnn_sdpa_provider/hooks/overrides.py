@@ -151,7 +151,8 @@ class _Dense:
         window = _WINDOWS[bool(is_causal)]
         recompute = route.recompute(dropout_p)
         bias_grad = attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()
-        padding = _padding(attn_bias, query, key, dropout_p, bias_grad or return_debug_mask)
+        refused = bias_grad or return_debug_mask
+        padding = None if attn_bias is None else _padding(attn_bias, query, key, dropout_p, refused)
         bias = None if padding is not None else attn_bias  # what the engine is given
         if padding is not None:
             window = padding.window
@@ -162,7 +163,7 @@ class _Dense:
         found = route.entry(signature, lambda: route.dense_problem(
             query, key, value, window=window, bias=bias, dropout_p=dropout_p, recompute=recompute,
             padded=padding is not None, unsupported=("return_debug_mask",) if return_debug_mask else ()),
-            query.device.index, None if attn_bias is not None else _lengths_free(signature, query, key, value))
+            query.device.index, None if attn_bias is not None else lambda: _lengths_free(signature, query, key, value))
         if dropout_p > 0.0 and compute_log_sumexp and found.first is None:
             found = _dropout_guard(signature, query, key, value, window, attn_bias, dropout_p) or found
         strict = scope.strict()

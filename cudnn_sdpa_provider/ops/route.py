@@ -145,19 +145,20 @@ def _cache() -> OrderedDict:
 
 
 def entry(signature: tuple, problem: Callable[[], support.Problem], device_index: int | None = None,
-          lengths_free: tuple | None = None) -> Entry:
+          lengths_free: Callable[[], tuple] | None = None) -> Entry:
     """The entry of a call signature (this thread's cache; ``problem()`` is built on a miss only).
     Deterministic backwards whose workspace depends on free memory are decided afresh each call.
-    ``lengths_free``: a key that holds everything ``problem()`` depends on but the exact lengths,
-    and their ``support.length_class`` instead (a dense call without a bias: its problem reads only
-    shapes, dtypes and options); a signature missed at a new length then takes the decision made
-    at another length of its class, as a copy (a length that cuDNN refuses at build time is marked
-    on its own signature only, ``call``)."""
+    ``lengths_free()`` (called on a miss only): a key that holds everything ``problem()`` depends
+    on but the exact lengths, and their ``support.length_class`` instead (a dense call without a
+    bias: its problem reads only shapes, dtypes and options); a signature missed at a new length
+    then takes the decision made at another length of its class, as a copy (a length that cuDNN
+    refuses at build time is marked on its own signature only, ``call``)."""
     cache = _cache()
     found = cache.get(signature)
     if found is not None:
         cache.move_to_end(signature)
         return found
+    lengths_free = lengths_free() if lengths_free is not None else None
     shared = cache.get(lengths_free) if lengths_free is not None else None
     if shared is not None:
         cache.move_to_end(lengths_free)
