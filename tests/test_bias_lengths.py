@@ -129,19 +129,51 @@ def test_calls_it_does_not_read(what, monkeypatch):
     assert bias_lengths.recognise(bias, q, k) is None and reads == []
 
 
-def test_one_read_per_bias_tensor_until_it_is_written(monkeypatch):
+def _counted_reads(monkeypatch) -> list:
     reads = []
     real = bias_lengths._read
     monkeypatch.setattr(bias_lengths, "_read", lambda bias: reads.append(1) or real(bias))
+    return reads
+
+
+def test_every_call_reads_its_mask_nothing_is_remembered(monkeypatch):
+    """A mask's contents can change without its version counter (a CUDA-graph replay, a ``.data``
+    write): each call reads what it is given."""
+    reads = _counted_reads(monkeypatch)
     q, k = _qk()
     bias = _bias(_mask([9, 4, 2], 9))
+    assert bias_lengths.recognise(bias, q, k).seq_len_kv.tolist() == [9, 4, 2]
+    version = bias._version
+    bias.data.copy_(_bias(_mask([9, 7, 3], 9)))
+    assert bias._version == version, "a write the version counter does not see"
+    assert bias_lengths.recognise(bias, q, k).seq_len_kv.tolist() == [9, 7, 3] and len(reads) == 2
+
+
+def test_a_configuration_whose_bias_was_not_a_mask_is_not_read_again(monkeypatch):
+    """A model with another bias (ALiBi, a relative position bias) pays one read, not one per call;
+    another configuration is still read."""
+    reads = _counted_reads(monkeypatch)
+    q, k = _qk()
+    alibi = torch.randn(3, 1, 9, 9)
     for _ in range(3):
-        assert bias_lengths.recognise(bias, q, k).seq_len_kv.tolist() == [9, 4, 2]
+        assert bias_lengths.recognise(alibi, q, k) is None
     assert len(reads) == 1
-    bias[0, 0, 3, 0] = INF  # written in place: read again, and no longer right padding (row 3 skips key 0)
-    assert bias_lengths.recognise(bias, q, k) is None and len(reads) == 2
-    other = _bias(_mask([9, 4, 2], 9))  # an equal tensor is another tensor
-    assert bias_lengths.recognise(other, q, k) is not None and len(reads) == 3
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is None, "the same configuration"
+    assert len(reads) == 1
+    q8, k8 = _qk(h=4)
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q8, k8) is not None and len(reads) == 2
+
+
+def test_a_read_that_runs_out_of_memory_keeps_the_bias(monkeypatch):
+    def oom(bias):
+        raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    monkeypatch.setattr(bias_lengths, "_read", oom)
+    q, k = _qk()
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is None
+    monkeypatch.undo()
+    monkeypatch.setenv(env.SHAPE_BUCKETS, "1")
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is not None, "not taken for a non-mask"
 
 
 # ------------------------------------------------------------- the F.sdpa override, served
@@ -180,6 +212,7 @@ def _engine_spy(monkeypatch):
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(cuda_like, monkeypatch, causal):
     seen = _engine_spy(monkeypatch)
+    reads = _counted_reads(monkeypatch)
     kernels = overrides._Dense(_Original(), _Original())
     before = counters.stats()
     for s, lengths in ((40, [40, 17, 3]), (45, [45, 44, 1]), (57, [20, 57, 30])):  # one length bucket
@@ -200,6 +233,7 @@ def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(c
             assert_rel_close(got, ref, 1e-6, f"{name} at S {s}")
     window = (-1, 0) if causal else (-1, -1)
     assert seen == [("forward", False, True, window), ("backward", False, True, window)] * 3
+    assert len(reads) == 3, "each backward ran what its forward ran, without reading the mask again"
     region = counters.stats() - before
     assert region.served["dense_fwd"] == 3 and region.served["dense_bwd"] == 3
     assert region.builds["built"] == 2, "one forward and one backward graph for the bucket's three lengths"
@@ -234,6 +268,20 @@ def test_an_inference_tensor_mask_is_read_at_each_call(cuda_like, monkeypatch):
                               compute_dtype=torch.float64)
     assert_rel_close(out, want, 1e-6, "out")
     assert len(reads) == 2 and seen == [("forward", False, True, (-1, 0))] * 2
+
+
+def test_is_causal_with_a_mask_keeps_the_bias(cuda_like, monkeypatch):
+    """Both apply (causal and the mask): not a padding mask's attention alone."""
+    reads = _counted_reads(monkeypatch)
+    seen = _engine_spy(monkeypatch)
+    kernels = overrides._Dense(_Original(), _Original())
+    q, k, v = (torch.randn(2, 2, 12, 8) for _ in range(3))
+    bias = _bias(_mask([12, 5], 12, causal=False))
+    out = kernels.forward(None, q, k, v, bias, False, 0.0, True, False, scale=None)[0]
+    want, _ = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, window=(-1, 0),
+                              bias=bias.double(), compute_dtype=torch.float64)
+    assert_rel_close(out, want, 1e-6, "out")
+    assert reads == [] and seen == [("forward", True, False, (-1, 0))]
 
 
 def test_a_bias_that_needs_its_gradient_is_not_read(cuda_like, monkeypatch):

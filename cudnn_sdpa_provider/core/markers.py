@@ -33,6 +33,7 @@ class Record:
     served: bool
     reason: str | None = None
     strict: bool = False
+    padding: object = None  # the forward's bias taken as lengths (``ops.bias_lengths.Padding``): its backward's too
 
 
 def _forget(key: int) -> None:

@@ -66,7 +66,8 @@ def _lengths_free(signature: tuple, q, k, v) -> tuple:
 
 def _padding(attn_bias, query, key, dropout_p, refused: bool):
     """The bias as a right-padding mask (``bias_lengths``), or None: a call with dropout, or one
-    whose bias needs a gradient or whose debug mask is asked for, keeps its bias."""
+    ``refused`` (its bias needs a gradient, its debug mask is asked for, or is_causal applies too),
+    keeps its bias."""
     if attn_bias is None or refused or dropout_p > 0.0:
         return None
     found = bias_lengths.recognise(attn_bias, query, key)
@@ -151,7 +152,7 @@ class _Dense:
         window = _WINDOWS[bool(is_causal)]
         recompute = route.recompute(dropout_p)
         bias_grad = attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()
-        refused = bias_grad or return_debug_mask
+        refused = bias_grad or return_debug_mask or is_causal  # is_causal with a mask: both apply; keep the bias
         padding = None if attn_bias is None else _padding(attn_bias, query, key, dropout_p, refused)
         bias = None if padding is not None else attn_bias  # what the engine is given
         if padding is not None:
@@ -182,7 +183,7 @@ class _Dense:
                                          philox=(philox[0], philox[2]) if philox is not None else None,
                                          signature=signature)
             if compute_log_sumexp:  # a backward can follow: the LSE it will receive is the marker
-                markers.mark(lse, markers.Record(served=True, strict=strict))
+                markers.mark(lse, markers.Record(served=True, strict=strict, padding=padding))
             seed, offset = _unused_philox(query.device) if philox is None else (philox[0], philox[2])
             return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, None
 
@@ -226,7 +227,7 @@ class _Dense:
             return route.call("dense_bwd", route.fixed(record.reason, "its forward fell back"), None, native, describe,
                               strict=False)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        padding = _padding(attn_bias, query, key, dropout_p, False)  # the forward's answer, kept with the bias
+        padding = record.padding  # the forward's decision, never read again: the backward runs what it ran
         bias = None if padding is not None else attn_bias
         if padding is not None:
             window = padding.window

@@ -9,9 +9,10 @@ padding mask with ``seq_len_kv`` = each sequence's real tokens and ``seq_len_q``
 row, padded ones included, sees the keys the bias lets it see, and no row sees none. The engine
 serves that call with the length buckets (one graph per doubling of S).
 
-``recognise`` decides it on the device, in one synchronising read per bias tensor (a model's
-layers share one mask, and the backward finds the forward's answer; an inference tensor, which
-keeps no version counter, is read at each call), and only where it is exact:
+``recognise`` decides it on the device, in one synchronising read per call (a forward: its
+backward runs what the forward ran, ``markers.Record.padding``; nothing is remembered across
+calls, since a mask's contents can change without its version counter: a CUDA-graph replay, a
+``.data`` write), and only where it is exact:
 
 * S_q == S_kv > 1 and a 4-D bias (B or 1, H_q or 1, S, S) of a floating dtype, every entry 0 or
   at most ``MASKED`` (-65504: what PyTorch's cuDNN path makes of a boolean mask's False; -inf and
@@ -22,9 +23,11 @@ keeps no version counter, is read at each call), and only where it is exact:
 Only where the length buckets are on (``folded.buckets_on``: ``CUDNN_SDPA_PROVIDER_SHAPE_BUCKETS``;
 ``0`` keeps every bias), never while tracing or capturing a CUDA graph (nothing can be read there),
 for a tensor subclass, or for a bias of more than ``MAX_ENTRIES`` entries (the comparison's
-temporaries). Anything else
-stays a bias on today's exact graph: left padding, a sequence of no real token (its rows see no
-key: a masked value there is not the same as no key), a sliding window, any other pattern.
+temporaries; a read that runs out of memory keeps the bias). A configuration (dtypes, heads, the
+bias's broadcast dims, device) whose bias once was not such a mask is not read again: a model that
+passes another bias (ALiBi, a relative position bias) pays one read, not one per call. Anything
+else stays a bias on today's exact graph: left padding, a sequence of no real token (its rows see
+no key: a masked value there is not the same as no key), a sliding window, any other pattern.
 """
 
 from __future__ import annotations
@@ -33,15 +36,14 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..engine import folded
 
 __all__ = ["MAX_ENTRIES", "Padding", "recognise", "clear"]
 
-#: The most bias entries ``recognise`` reads (B 8 at S 4096): its comparison makes a few boolean
-#: tensors of the bias's size.
-MAX_ENTRIES = 1 << 27
+#: The most bias entries ``recognise`` reads (B 16 at S 2048, B 4 at S 4096): its comparison makes
+#: a few boolean tensors of the bias's size.
+MAX_ENTRIES = 1 << 26
 #: A bias entry at or below this masks its key: PyTorch's cuDNN path turns a boolean mask's False into
 #: -65504 (``convert_boolean_attn_mask_cudnn``, pytorch#177842), transformers' float masks use
 #: ``finfo.min``, other code -inf. In a row that sees a key, such a key's softmax weight,
@@ -50,9 +52,7 @@ MAX_ENTRIES = 1 << 27
 MASKED = -65504.0
 
 _lock = threading.Lock()
-# bias -> (its version counter when read, its Padding or None); kept while the bias lives, for
-# every thread (autograd runs a CUDA backward on a thread of its own)
-_memo = WeakIdKeyDictionary()
+_not_masks: set = set()  # configurations (``_configuration``) whose bias was read and was not such a mask
 
 
 @dataclass(frozen=True)
@@ -68,18 +68,17 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
     """The call's bias as a right-padding mask (module docstring), or None: keep the bias."""
     if not _candidate(bias, q, k):
         return None
-    if bias.is_inference():  # no version counter: read at every call (prefill only: S_q == S_kv)
+    configuration = _configuration(bias, q)
+    with _lock:
+        if configuration in _not_masks:
+            return None
+    try:
         found = _read(bias)
-    else:
-        with _lock:
-            seen = _memo.get(bias)
-        if seen is not None and seen[0] == bias._version:
-            found = seen[1]
-        else:
-            found = _read(bias)
-            with _lock:
-                _memo[bias] = (bias._version, found)
+    except torch.OutOfMemoryError:  # the comparison's temporaries: the bias path needs none of them
+        return None
     if found is None:
+        with _lock:
+            _not_masks.add(configuration)
         return None
     if found.seq_len_kv.shape[0] != q.shape[0]:  # a bias broadcast over the batch
         lengths = found.seq_len_kv.expand(q.shape[0]).contiguous()
@@ -88,9 +87,13 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
 
 
 def clear() -> None:
-    """Forget every answer (tests)."""
+    """Forget which configurations' biases were not masks (tests)."""
     with _lock:
-        _memo.clear()
+        _not_masks.clear()
+
+
+def _configuration(bias, q) -> tuple:
+    return (bias.dtype, bias.shape[0] == 1, bias.shape[1] == 1, q.dtype, q.shape[1], q.device)
 
 
 def _candidate(bias, q, k) -> bool:
