@@ -197,7 +197,7 @@ def _fold_wanted(s_q: int, s_kv: int, device) -> bool | None:
     on the GPU (``folded.verified``)."""
     if not folded.buckets_on(device):
         return False
-    return True if folded.mode() == "on" or not (_pow2(s_q) and _pow2(s_kv)) else None
+    return True if not (_pow2(s_q) and _pow2(s_kv)) or folded.mode() == "on" else None
 
 
 #: Calls of one exact shape after which a folded binding with S_q > 1 gives way to the exact graph.

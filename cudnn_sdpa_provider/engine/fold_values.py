@@ -117,7 +117,7 @@ def operand_at(spec: tuple, s: int, h_kv: int, device, stream: int):
     """``operand``'s (end, request) for the operand that ``spec`` (``spec``) describes, at length
     ``s``, from arithmetic alone: no tensor is made or looked at. ``strides`` and ``fold_strides``
     written out (a new length's binding computes it for every operand: ``fold_family.rebind``);
-    tests/test_folded.py compares it with ``operand`` on tensors of both layouts."""
+    tests/test_fold_values.py compares it with ``operand`` on tensors of both layouts."""
     kind, b, h, d, item, groups = spec
     if kind == "bhsd":
         s_b, s_h, s_s = h * s * d, s * d, d

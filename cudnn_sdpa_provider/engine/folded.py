@@ -52,9 +52,9 @@ from ..core import env, layout, rows
 from .binding import Binding
 from .graphs import UID, BwdKey, Desc, FwdKey
 
-__all__ = ["seqlen_bucket", "mode", "buckets_on", "VERIFIED", "INT32_MAX", "verified", "verified_on", "capturing", "applies",
-           "made_at", "dead_rows", "lengths_form", "output_layout", "small_tensors", "bind_forward", "run_forward",
-           "bind_backward", "run_backward"]
+__all__ = ["seqlen_bucket", "mode", "buckets_on", "VERIFIED", "INT32_MAX", "verified", "verified_on", "capturing",
+           "applies", "made_at", "dead_rows", "lengths_form", "output_layout", "small_tensors", "bind_forward",
+           "run_forward", "bind_backward", "run_backward"]
 
 INT32_MAX = 2**31 - 1
 

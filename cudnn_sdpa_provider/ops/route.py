@@ -158,10 +158,10 @@ def entry(signature: tuple, problem: Callable[[], support.Problem], device_index
     if found is not None:
         cache.move_to_end(signature)
         return found
-    lengths_free = lengths_free() if lengths_free is not None else None
-    shared = cache.get(lengths_free) if lengths_free is not None else None
+    free = lengths_free() if lengths_free is not None else None
+    shared = cache.get(free) if free is not None else None
     if shared is not None:
-        cache.move_to_end(lengths_free)
+        cache.move_to_end(free)
         found = Entry(list(shared.reasons))
     else:
         p = problem()
@@ -169,8 +169,8 @@ def entry(signature: tuple, problem: Callable[[], support.Problem], device_index
         caps = machine.capabilities(device_index if p.device_type == "cuda" else None)
         if support.deterministic_workspace_bytes(p, caps):
             return found
-        if lengths_free is not None:
-            cache[lengths_free] = Entry(list(found.reasons))
+        if free is not None:
+            cache[free] = Entry(list(found.reasons))
     cache[signature] = found
     while len(cache) > env.cache_size():
         cache.popitem(last=False)
