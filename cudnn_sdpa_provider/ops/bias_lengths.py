@@ -55,9 +55,10 @@ _lock = threading.Lock()
 _not_masks: set = set()  # configurations (``_configuration``) whose bias was read and was not such a mask
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Padding:
-    """What a recognised bias is: the window, and (B,) int32 lengths on the bias's device."""
+    """What a recognised bias is: the window, and (B,) int32 lengths on the bias's device (compared
+    by identity: tensors have no truth value)."""
 
     window: tuple[int, int]
     seq_len_q: torch.Tensor
