@@ -12,7 +12,8 @@
 #                                                     # shapes and folded tests, compute-sanitizer
 #   OUT=/tmp/out bash scripts/gpu_pending.sh lengths  # issue #28, the part of "shapes" that fits one short
 #                                                     # call: the shapes and folded tests, new_length on
-#                                                     # three paths, the new-length breakdown
+#                                                     # three paths, the new-length breakdown, and
+#                                                     # hf_dynamic_padding under enable() (its builds)
 #   OUT=/tmp/out bash scripts/gpu_pending.sh generate # issue #28, the rest of "shapes" in one call: decode
 #                                                     # calls, hf_generate (four paths, batch 8 and 1),
 #                                                     # hf_dynamic_padding (three paths), each in this
@@ -78,6 +79,9 @@ case "$stage" in
       run "new_length_$path" python3 scripts/bench_shapes.py new_length "$path"
     done
     run new_length_breakdown python3 scripts/new_length_breakdown.py
+    if [ "$stage" = lengths ]; then  # HF's padding mask under enable() (ops/bias_lengths.py): builds per doubling?
+      run hf_dynamic_padding_provider python3 scripts/bench_shapes.py hf_dynamic_padding provider
+    fi
     [ "$stage" = lengths ] && { echo "===== stage lengths: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a "$log"; exit $status; }
     run decode_calls python3 scripts/decode_profile.py calls --steps 64
     run decode_generate python3 scripts/decode_profile.py generate provider --batch 8
