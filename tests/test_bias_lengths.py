@@ -1,8 +1,10 @@
 """CPU tier: a bias that is a right-padding mask runs as per-sequence lengths (``ops.bias_lengths``).
 
-What is recognised and what is not, the one read per bias tensor, and the F.sdpa override served
-through it on the stand-in cuDNN: answers and gradients against the fp64 reference with the bias
-itself, the engine given lengths (no bias), one graph per direction across new lengths of a bucket.
+What is recognised and what is not, one read per forward call (none remembered; a configuration
+whose bias was not a mask is not read again), and the F.sdpa override served through it on the
+stand-in cuDNN: answers and gradients against the fp64 reference with the bias itself, the engine
+given lengths (no bias), one graph per direction across new lengths of a bucket, the backward
+running what its forward ran.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def _mask(lengths, s, *, causal=True, left=False):
 
 
 def _bias(mask, dtype=torch.float32, fill=INF):
-    """The bias PyTorch makes of a boolean mask: 0 where allowed, -inf elsewhere."""
+    """A boolean mask as a bias: 0 where allowed, ``fill`` elsewhere (-inf as PyTorch's math path
+    makes it; its cuDNN path, what the op sees, makes -65504)."""
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, fill)
 
 
@@ -209,8 +212,9 @@ def _engine_spy(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("fill", [-65504.0, INF])
 @pytest.mark.parametrize("causal", [True, False])
-def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(cuda_like, monkeypatch, causal):
+def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(cuda_like, monkeypatch, causal, fill):
     seen = _engine_spy(monkeypatch)
     reads = _counted_reads(monkeypatch)
     kernels = overrides._Dense(_Original(), _Original())
@@ -218,7 +222,7 @@ def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(c
     for s, lengths in ((40, [40, 17, 3]), (45, [45, 44, 1]), (57, [20, 57, 30])):  # one length bucket
         gen = torch.Generator().manual_seed(s)
         q, k, v = (torch.randn(3, 4, s, 8, generator=gen) for _ in range(3))
-        bias = _bias(_mask(lengths, s, causal=causal))
+        bias = _bias(_mask(lengths, s, causal=causal), fill=fill)
         result = kernels.forward(None, q, k, v, bias, True, 0.0, False, False, scale=None)
         out, lse = result[0], result[1]
         want, _ = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, bias=bias.double(),
