@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudnn_sdpa_provider.core import counters, env, support
+from cudnn_sdpa_provider.core import counters, env
 from cudnn_sdpa_provider.engine import dense, graphs
 from cudnn_sdpa_provider.hooks import overrides
-from cudnn_sdpa_provider.ops import bias_lengths, reference, route
-from tests import fake_cudnn
+from cudnn_sdpa_provider.ops import bias_lengths, reference
+from tests.test_route import _Original, cuda_like  # noqa: F401 (the served-override fixture)
 from tests.util import assert_rel_close
 
 INF = float("-inf")
@@ -182,23 +182,6 @@ def test_a_read_that_runs_out_of_memory_keeps_the_bias(monkeypatch):
 # ------------------------------------------------------------- the F.sdpa override, served
 
 
-@pytest.fixture
-def cuda_like(monkeypatch):
-    """CPU float32 tensors decided as if they were bf16 on a CUDA machine, on the stand-in cuDNN."""
-    fake_cudnn.install(monkeypatch)
-    monkeypatch.setattr(support, "RULES", tuple(r for r in support.RULES if r.slug not in ("no_cuda", "dtype")))
-    route.clear()
-    graphs.clear_cache()
-    yield
-    route.clear()
-    graphs.clear_cache()
-
-
-class _Original:
-    def call_boxed(self, *args, **kwargs):
-        raise AssertionError("a served call must not reach PyTorch's kernel")
-
-
 def _engine_spy(monkeypatch):
     seen = []
     for name in ("forward", "backward"):
@@ -215,6 +198,7 @@ def _engine_spy(monkeypatch):
 @pytest.mark.parametrize("fill", [-65504.0, INF])
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(cuda_like, monkeypatch, causal, fill):
+    graphs.clear_cache()  # the bucket's graphs are built here, whatever ran before
     seen = _engine_spy(monkeypatch)
     reads = _counted_reads(monkeypatch)
     kernels = overrides._Dense(_Original(), _Original())
