@@ -167,6 +167,37 @@ def test_a_configuration_whose_bias_was_not_a_mask_is_not_read_again(monkeypatch
     assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q8, k8) is not None and len(reads) == 2
 
 
+def test_a_shape_recognised_stable_after_times_keeps_its_bias_unread(monkeypatch):
+    """Training padded to one length: after ``STABLE_AFTER`` recognitions of one exact shape the
+    mask is kept as a bias without a read; another B or S is still read, and counted apart."""
+    monkeypatch.setattr(bias_lengths, "STABLE_AFTER", 3)
+    reads = _counted_reads(monkeypatch)
+    q, k = _qk()
+    for lengths in ([9, 4, 2], [9, 7, 3], [5, 9, 1]):  # the same shape, other masks each step
+        assert bias_lengths.recognise(_bias(_mask(lengths, 9)), q, k) is not None
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is None and len(reads) == 3
+    q10, k10 = _qk(s=10)
+    assert bias_lengths.recognise(_bias(_mask([10, 4, 2], 10)), q10, k10) is not None and len(reads) == 4
+    q2, k2 = _qk(b=2)
+    assert bias_lengths.recognise(_bias(_mask([9, 4], 9)), q2, k2) is not None and len(reads) == 5
+    bias_lengths.clear()
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is not None and len(reads) == 6
+
+
+def test_only_recognised_calls_count_towards_stable(monkeypatch):
+    """A call whose read found no padding mask (refused by a host check, or not a mask) is not a
+    recognition: the shape is still read after ``STABLE_AFTER`` such calls."""
+    monkeypatch.setattr(bias_lengths, "STABLE_AFTER", 2)
+    reads = _counted_reads(monkeypatch)
+    q, k = _qk()
+    left = _bias(_mask([9, 4, 2], 9, left=True))
+    monkeypatch.setattr(bias_lengths, "_not_masks", set())  # left padding is read, and refused, each call
+    for _ in range(2):
+        assert bias_lengths.recognise(left, q, k) is None
+        bias_lengths._not_masks.clear()
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is not None and len(reads) == 3
+
+
 def test_a_read_that_runs_out_of_memory_keeps_the_bias(monkeypatch):
     def oom(bias):
         raise torch.OutOfMemoryError("CUDA out of memory (a test's)")

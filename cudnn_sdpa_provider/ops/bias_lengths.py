@@ -28,18 +28,28 @@ bias's broadcast dims, device) whose bias once was not such a mask is not read a
 passes another bias (ALiBi, a relative position bias) pays one read, not one per call. Anything
 else stays a bias on today's exact graph: left padding, a sequence of no real token (its rows see
 no key: a masked value there is not the same as no key), a sliding window, any other pattern.
+
+A read costs a synchronisation per forward call; the buckets spare a build per new length. Where the
+shape does not change (training padded to one length), the builds they spare are none, so an exact
+shape (its configuration, B and S) recognised ``STABLE_AFTER`` times keeps its bias from then on,
+unread, on the exact graph it builds once (rent, then buy, as ``engine.dense.PROMOTE_AFTER`` does
+for the folded graphs; the same number). Dynamic padding, whose lengths come back too rarely to get
+there, keeps reading; ``STABLE_KEEP`` exact shapes are counted at most (least recently seen dropped).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from ..engine import folded
+from ..core import counters
+from ..engine import dense, folded
 
-__all__ = ["MAX_ENTRIES", "Padding", "recognise", "clear"]
+__all__ = ["MAX_ENTRIES", "STABLE_AFTER", "Padding", "recognise", "clear"]
 
 #: The most bias entries ``recognise`` reads (B 16 at S 2048, B 4 at S 4096): its comparison makes
 #: a few boolean tensors of the bias's size.
@@ -51,8 +61,13 @@ MAX_ENTRIES = 1 << 26
 #: more than 65000: exactly what leaving it out gives.
 MASKED = -65504.0
 
+#: Recognitions of one exact shape after which it keeps its bias unread (module docstring).
+STABLE_AFTER = dense.PROMOTE_AFTER
+STABLE_KEEP = 4096
+
 _lock = threading.Lock()
 _not_masks: set = set()  # configurations (``_configuration``) whose bias was read and was not such a mask
+_recognised: "OrderedDict[tuple, int]" = OrderedDict()  # exact shape -> times recognised
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,8 +85,9 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
     if not _candidate(bias, q, k):
         return None
     configuration = _configuration(bias, q)
+    shape = (configuration, tuple(bias.shape), q.shape[0], q.shape[2])
     with _lock:
-        if configuration in _not_masks:
+        if configuration in _not_masks or _recognised.get(shape, 0) >= STABLE_AFTER:
             return None
     try:
         found = _read(bias)
@@ -81,6 +97,7 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
         with _lock:
             _not_masks.add(configuration)
         return None
+    _count(shape)
     if found.seq_len_kv.shape[0] != q.shape[0]:  # a bias broadcast over the batch
         lengths = found.seq_len_kv.expand(q.shape[0]).contiguous()
         return Padding(found.window, torch.full_like(lengths, q.shape[2]), lengths)
@@ -88,9 +105,21 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
 
 
 def clear() -> None:
-    """Forget which configurations' biases were not masks (tests)."""
+    """Forget which configurations' biases were not masks and how often each shape was recognised (tests)."""
     with _lock:
         _not_masks.clear()
+        _recognised.clear()
+
+
+def _count(shape: tuple) -> None:
+    with _lock:
+        times = _recognised[shape] = _recognised.pop(shape, 0) + 1
+        while len(_recognised) > STABLE_KEEP:
+            _recognised.popitem(last=False)
+    if times == STABLE_AFTER:
+        counters.log_once(("bias_lengths_stable", shape[0]), logging.INFO, "F.sdpa's padding mask came %d times at "
+                          "one shape (B %d, S %d): kept as a bias from now on, unread (its exact graph)",
+                          STABLE_AFTER, shape[2], shape[3])
 
 
 def _configuration(bias, q) -> tuple:
