@@ -184,6 +184,26 @@ def test_a_shape_recognised_stable_after_times_keeps_its_bias_unread(monkeypatch
     assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is not None and len(reads) == 6
 
 
+def test_a_configuration_seen_at_more_than_stable_shapes_keeps_reading(monkeypatch):
+    """Dynamic padding: once a configuration was recognised at more than ``STABLE_SHAPES`` shapes,
+    no shape of it is kept unread, however often it comes back (an exact graph per length is what
+    the buckets avoid); another configuration is counted apart."""
+    monkeypatch.setattr(bias_lengths, "STABLE_AFTER", 2)
+    monkeypatch.setattr(bias_lengths, "STABLE_SHAPES", 2)
+    reads = _counted_reads(monkeypatch)
+    for s in (9, 10, 11):
+        q, k = _qk(s=s)
+        assert bias_lengths.recognise(_bias(_mask([s, 4, 2], s)), q, k) is not None
+    q, k = _qk()
+    for _ in range(4):
+        assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is not None
+    assert len(reads) == 7
+    q8, k8 = _qk(h=4)
+    for _ in range(2):
+        assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q8, k8) is not None
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q8, k8) is None and len(reads) == 9
+
+
 def test_only_recognised_calls_count_towards_stable(monkeypatch):
     """A call whose read found no padding mask (refused by a host check, or not a mask) is not a
     recognition: the shape is still read after ``STABLE_AFTER`` such calls."""

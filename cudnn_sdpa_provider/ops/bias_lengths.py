@@ -30,11 +30,14 @@ else stays a bias on today's exact graph: left padding, a sequence of no real to
 no key: a masked value there is not the same as no key), a sliding window, any other pattern.
 
 A read costs a synchronisation per forward call; the buckets spare a build per new length. Where the
-shape does not change (training padded to one length), the builds they spare are none, so an exact
-shape (its configuration, B and S) recognised ``STABLE_AFTER`` times keeps its bias from then on,
-unread, on the exact graph it builds once (rent, then buy, as ``engine.dense.PROMOTE_AFTER`` does
-for the folded graphs; the same number). Dynamic padding, whose lengths come back too rarely to get
-there, keeps reading; ``STABLE_KEEP`` exact shapes are counted at most (least recently seen dropped).
+shape does not change (training padded to one length), they spare none, so an exact shape (its
+configuration, B and S) recognised ``STABLE_AFTER`` times keeps its bias from then on, unread, on
+the exact graph it builds once (rent, then buy, as ``engine.dense.PROMOTE_AFTER`` does for the
+folded graphs; the same number), while its configuration has been recognised at no more than
+``STABLE_SHAPES`` shapes. A configuration seen at more (dynamic padding, a new longest length per
+batch) keeps reading for good: its shapes come back, in a long run, often enough to get there one
+by one, and an exact graph for each would be the build per length, and the cache's turnover, that
+the buckets avoid.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch
 from ..core import counters
 from ..engine import dense, folded
 
-__all__ = ["MAX_ENTRIES", "STABLE_AFTER", "Padding", "recognise", "clear"]
+__all__ = ["MAX_ENTRIES", "STABLE_AFTER", "STABLE_SHAPES", "Padding", "recognise", "clear"]
 
 #: The most bias entries ``recognise`` reads (B 16 at S 2048, B 4 at S 4096): its comparison makes
 #: a few boolean tensors of the bias's size.
@@ -63,11 +66,15 @@ MASKED = -65504.0
 
 #: Recognitions of one exact shape after which it keeps its bias unread (module docstring).
 STABLE_AFTER = dense.PROMOTE_AFTER
-STABLE_KEEP = 4096
+#: The most shapes a configuration may be recognised at and still have one kept unread.
+STABLE_SHAPES = 8
+_CONFIGURATIONS = 1024  # configurations whose shapes are counted (least recently counted dropped)
 
 _lock = threading.Lock()
 _not_masks: set = set()  # configurations (``_configuration``) whose bias was read and was not such a mask
-_recognised: "OrderedDict[tuple, int]" = OrderedDict()  # exact shape -> times recognised
+#: configuration -> {exact shape: times recognised}, or None once it was recognised at more than
+#: ``STABLE_SHAPES`` shapes
+_recognised: "OrderedDict[tuple, dict | None]" = OrderedDict()
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,9 +92,9 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
     if not _candidate(bias, q, k):
         return None
     configuration = _configuration(bias, q)
-    shape = (configuration, tuple(bias.shape), q.shape[0], q.shape[2])
+    shape = (tuple(bias.shape), q.shape[0], q.shape[2])
     with _lock:
-        if configuration in _not_masks or _recognised.get(shape, 0) >= STABLE_AFTER:
+        if configuration in _not_masks or (_recognised.get(configuration) or {}).get(shape, 0) >= STABLE_AFTER:
             return None
     try:
         found = _read(bias)
@@ -97,7 +104,7 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
         with _lock:
             _not_masks.add(configuration)
         return None
-    _count(shape)
+    _count(configuration, shape)
     if found.seq_len_kv.shape[0] != q.shape[0]:  # a bias broadcast over the batch
         lengths = found.seq_len_kv.expand(q.shape[0]).contiguous()
         return Padding(found.window, torch.full_like(lengths, q.shape[2]), lengths)
@@ -111,15 +118,21 @@ def clear() -> None:
         _recognised.clear()
 
 
-def _count(shape: tuple) -> None:
+def _count(configuration: tuple, shape: tuple) -> None:
     with _lock:
-        times = _recognised[shape] = _recognised.pop(shape, 0) + 1
-        while len(_recognised) > STABLE_KEEP:
+        shapes = _recognised.pop(configuration, {})
+        if shapes is not None and shape not in shapes and len(shapes) >= STABLE_SHAPES:
+            shapes = None  # dynamic: never kept unread
+        _recognised[configuration] = shapes
+        while len(_recognised) > _CONFIGURATIONS:
             _recognised.popitem(last=False)
+        if shapes is None:
+            return
+        times = shapes[shape] = shapes.get(shape, 0) + 1
     if times == STABLE_AFTER:
-        counters.log_once(("bias_lengths_stable", shape[0]), logging.INFO, "F.sdpa's padding mask came %d times at "
-                          "one shape (B %d, S %d): kept as a bias from now on, unread (its exact graph)",
-                          STABLE_AFTER, shape[2], shape[3])
+        counters.log_once(("bias_lengths_stable", configuration), logging.INFO, "F.sdpa's padding mask came %d times "
+                          "at one shape (B %d, S %d): kept as a bias from now on, unread (its exact graph)",
+                          STABLE_AFTER, shape[1], shape[2])
 
 
 def _configuration(bias, q) -> tuple:
