@@ -1,7 +1,8 @@
 """CPU tier: a bias that is a right-padding mask runs as per-sequence lengths (``ops.bias_lengths``).
 
-What is recognised and what is not, one read per forward call (none remembered; a configuration
-whose bias was not a mask is not read again), and the F.sdpa override served through it on the
+What is recognised and what is not, one read per forward call (no contents remembered; a
+configuration whose bias was not a mask is not read again, nor a shape recognised ``STABLE_AFTER``
+times while its configuration came at few shapes), and the F.sdpa override served through it on the
 stand-in cuDNN: answers and gradients against the fp64 reference with the bias itself, the engine
 given lengths (no bias), one graph per direction across new lengths of a bucket, the backward
 running what its forward ran.
@@ -205,8 +206,8 @@ def test_a_configuration_seen_at_more_than_stable_shapes_keeps_reading(monkeypat
 
 
 def test_only_recognised_calls_count_towards_stable(monkeypatch):
-    """A call whose read found no padding mask (refused by a host check, or not a mask) is not a
-    recognition: the shape is still read after ``STABLE_AFTER`` such calls."""
+    """A call whose read found no padding mask (left padding here) is not a recognition: the shape
+    is still read after ``STABLE_AFTER`` such calls."""
     monkeypatch.setattr(bias_lengths, "STABLE_AFTER", 2)
     reads = _counted_reads(monkeypatch)
     q, k = _qk()

@@ -10,9 +10,9 @@ row, padded ones included, sees the keys the bias lets it see, and no row sees n
 serves that call with the length buckets (one graph per doubling of S).
 
 ``recognise`` decides it on the device, in one synchronising read per call (a forward: its
-backward runs what the forward ran, ``markers.Record.padding``; nothing is remembered across
-calls, since a mask's contents can change without its version counter: a CUDA-graph replay, a
-``.data`` write), and only where it is exact:
+backward runs what the forward ran, ``markers.Record.padding``; no mask's contents are remembered
+across calls, since they can change without the version counter: a CUDA-graph replay, a ``.data``
+write; a shape that stays, below, stops being read), and only where it is exact:
 
 * S_q == S_kv > 1 and a 4-D bias (B or 1, H_q or 1, S, S) of a floating dtype, every entry 0 or
   at most ``MASKED`` (-65504: what PyTorch's cuDNN path makes of a boolean mask's False; -inf and
