@@ -4,13 +4,15 @@
 
 For each of the bench's Hugging Face Llama cases (``cudnn_sdpa_provider.tools.bench``: random weights,
 one right-padded batch, plain sdpa), in one process, in ABBA order: native (provider off), the
-provider as it is (the mask read at every forward and, where it is a right-padding mask, served as
-lengths) and the provider with ``bias_lengths.recognise`` returning None (the mask kept as a bias, as
+provider reading the mask at every forward (``bias_lengths.STABLE_AFTER`` lifted out of reach for
+it; where the mask is a right-padding mask, served as lengths) and the provider with ``bias_lengths.recognise`` returning None (the mask kept as a bias, as
 before ops/bias_lengths.py). Per path: the step's CUDA-event median, graph builds, and the device
 time of the attention kernels against the rest over profiled steps (torch.profiler). Then the read
 alone (``bias_lengths._read`` on a (B, 1, S, S) bf16 mask of 0 / -65504): its synchronised wall time.
 Run 75 (results/gpu-run75-bias-lengths-cost.txt) ran a first form that also printed a host time
-taken behind a 20 ms GPU sleep; the read waits for the sleep, so that figure was not a cost.
+taken behind a 20 ms GPU sleep (the read waits for the sleep, so that figure was not a cost), and
+whose "provider" path was STABLE_AFTER-bound: 136 calls of the 4-layer case there (68 of the
+2-layer one), under 256, so it read at every call.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def _path(case, s, name: str, repeats: int):
     m = Measurement(path=path)
     step = paths.step(case, "fwd_bwd", path)
     keep = _KeepBias() if name == "provider_keep_bias" else None
+    stable, bias_lengths.STABLE_AFTER = bias_lengths.STABLE_AFTER, 1 << 62  # "provider": read at every call
     with paths.scope(m, {}):
         if keep:
             keep.__enter__()
@@ -81,6 +84,7 @@ def _path(case, s, name: str, repeats: int):
         finally:
             if keep:
                 keep.__exit__(None, None, None)
+            bias_lengths.STABLE_AFTER = stable
     return ms, builds, attn, other, m
 
 

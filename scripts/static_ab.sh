@@ -8,13 +8,16 @@
 #
 # ROUNDS (default 2) rounds of old, new, new, old; each a process of its own running
 # `cudnn-sdpa bench --shapes $SHAPES --json $OUT/static-ab-<copy>-<n>.json` with that copy first on
-# PYTHONPATH (each process times its provider against native in itself), after WARMUP (default 140)
+# PYTHONPATH (each process times its provider against native in itself; stderr in
+# $OUT/static-ab-<copy>-<n>.err), after WARMUP (default 140)
 # warm-up calls: past the 256 attention calls after which a padded HF row keeps its mask unread
 # (ops/bias_lengths.STABLE_AFTER), so both copies are timed in their steady state. Then one line per row:
-# the median provider / native ratio of each copy over its processes, and new / old.
+# the median of each copy's `vs_native` (native time / provider time) over the processes that wrote
+# it, with how many did, and new / old.
 set -u
-OUT=${OUT:-$PWD/gpu-out}
+OUT=$(realpath -m "${OUT:-$PWD/gpu-out}")  # absolute: the old rounds run from .old/
 mkdir -p "$OUT"
+rm -f "$OUT"/static-ab-*.json "$OUT"/static-ab-*.err
 [ -d .old/cudnn_sdpa_provider ] || { echo "static_ab: no .old/cudnn_sdpa_provider (see the header)" >&2; exit 2; }
 fe=${FRONTEND:-1.32.0}
 site=${SITE_ROOT:-/tmp}/csp-fe-$fe
@@ -31,7 +34,9 @@ for _ in $(seq "${ROUNDS:-2}"); do
     echo "===== $copy ($n, $(date -u +%H:%M:%S))"
     (cd "$root" && PYTHONPATH="$site:$root" PYTHONUNBUFFERED=1 timeout "${STEP_TIMEOUT:-200}" \
       python3 -m cudnn_sdpa_provider bench --shapes "$SHAPES" --repeats "${REPEATS:-20}" \
-      --warmup "${WARMUP:-140}" --json "$OUT/static-ab-$copy-$n.json" 2>/dev/null | grep -E "provider|native")
+      --warmup "${WARMUP:-140}" --json "$OUT/static-ab-$copy-$n.json" 2>"$OUT/static-ab-$copy-$n.err" \
+      | grep -E "provider|native")
+    [ -s "$OUT/static-ab-$copy-$n.json" ] || echo "===== $copy ($n): no JSON (see static-ab-$copy-$n.err)"
   done
 done
 python3 - "$OUT" <<'PY'
@@ -45,5 +50,6 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/static-ab-*.json")):
             ratios.setdefault((r["case"], r["mode"], r["path"]), {}).setdefault(copy, []).append(r["vs_native"])
 for (case, mode, path), by in sorted(ratios.items()):
     old, new = (statistics.median(by[c]) if by.get(c) else float("nan") for c in ("old", "new"))
-    print(f"{case:36s} {mode:8s} {path:18s} old {old:.3f}x  new {new:.3f}x  new/old {new / old:.3f}")
+    counts = f"({len(by.get('old', []))} / {len(by.get('new', []))} processes)"
+    print(f"{case:36s} {mode:8s} {path:18s} old {old:.3f}x  new {new:.3f}x  new/old {new / old:.3f} {counts}")
 PY

@@ -205,6 +205,42 @@ def test_a_configuration_seen_at_more_than_stable_shapes_keeps_reading(monkeypat
     assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q8, k8) is None and len(reads) == 9
 
 
+def test_stable_shapes_is_the_most_shapes_that_still_keep_one_unread(monkeypatch):
+    """At exactly ``STABLE_SHAPES`` shapes a configuration's stable shape stops being read; at one
+    more, the configuration reads again for good, the shape kept before included."""
+    monkeypatch.setattr(bias_lengths, "STABLE_AFTER", 2)
+    monkeypatch.setattr(bias_lengths, "STABLE_SHAPES", 3)
+    reads = _counted_reads(monkeypatch)
+    for s in (10, 11):
+        q, k = _qk(s=s)
+        assert bias_lengths.recognise(_bias(_mask([s, 4, 2], s)), q, k) is not None
+    q, k = _qk()  # the third shape
+    for _ in range(2):
+        assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is not None
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is None and len(reads) == 4
+    q12, k12 = _qk(s=12)  # a fourth shape: dynamic from now on
+    assert bias_lengths.recognise(_bias(_mask([12, 4, 2], 12)), q12, k12) is not None and len(reads) == 5
+    assert bias_lengths.recognise(_bias(_mask([9, 4, 2], 9)), q, k) is not None and len(reads) == 6
+
+
+def test_the_configurations_counted_are_bounded(monkeypatch):
+    """At most ``_CONFIGURATIONS`` configurations are counted; the least recently counted one is
+    dropped and starts over (read again until it comes ``STABLE_AFTER`` times more)."""
+    monkeypatch.setattr(bias_lengths, "STABLE_AFTER", 2)
+    monkeypatch.setattr(bias_lengths, "_CONFIGURATIONS", 2)
+    reads = _counted_reads(monkeypatch)
+    pairs = [_qk(h=h) for h in (2, 3, 4)]
+    mask = _bias(_mask([9, 4, 2], 9))
+    for q, k in pairs[:2]:
+        for _ in range(2):
+            assert bias_lengths.recognise(mask, q, k) is not None
+    assert all(bias_lengths.recognise(mask, q, k) is None for q, k in pairs[:2]) and len(reads) == 4
+    assert bias_lengths.recognise(mask, *pairs[2]) is not None and len(bias_lengths._recognised) == 2
+    assert bias_lengths.recognise(mask, *pairs[0]) is not None, "dropped: counted again from 0"
+    assert bias_lengths.recognise(mask, *pairs[1]) is not None, "dropped when H 2 came back"
+    assert len(reads) == 7
+
+
 def test_only_recognised_calls_count_towards_stable(monkeypatch):
     """A call whose read found no padding mask (left padding here) is not a recognition: the shape
     is still read after ``STABLE_AFTER`` such calls."""
@@ -277,6 +313,38 @@ def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(c
     region = counters.stats() - before
     assert region.served["dense_fwd"] == 3 and region.served["dense_bwd"] == 3
     assert region.builds["built"] == 2, "one forward and one backward graph for the bucket's three lengths"
+
+
+def test_across_the_stable_switch_each_backward_runs_what_its_forward_ran(cuda_like, monkeypatch):
+    """The call on which a shape stops being read: the forward before it ran as lengths, the one
+    after it with the bias; each backward follows its own forward, with the bias's answers, even
+    when the two backwards run after both forwards."""
+    monkeypatch.setattr(bias_lengths, "STABLE_AFTER", 1)
+    seen = _engine_spy(monkeypatch)
+    reads = _counted_reads(monkeypatch)
+    kernels = overrides._Dense(_Original(), _Original())
+    gen = torch.Generator().manual_seed(3)
+    calls = []
+    for lengths in ([24, 9, 2], [11, 24, 5]):  # one shape, another mask at each call
+        q, k, v = (torch.randn(3, 2, 24, 8, generator=gen) for _ in range(3))
+        bias = _bias(_mask(lengths, 24), fill=-65504.0)
+        result = kernels.forward(None, q, k, v, bias, True, 0.0, False, False, scale=None)
+        calls.append((q, k, v, bias, result))
+    for q, k, v, bias, result in calls:
+        out, lse = result[0], result[1]
+        want, _ = reference.dense(q.double(), k.double(), v.double(), scale=8 ** -0.5, bias=bias.double(),
+                                  compute_dtype=torch.float64)
+        assert_rel_close(out, want, 1e-6, "out")
+        go = torch.randn(out.shape, generator=gen)
+        grads = kernels.backward(None, go, q, k, v, out, lse, result[6], result[7], bias, None, None, 24, 24, 0.0,
+                                 False, scale=None)
+        wants = reference.dense_backward(go.double(), q.double(), k.double(), v.double(), scale=8 ** -0.5,
+                                         bias=bias.double(), compute_dtype=torch.float64)[:3]
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, wants):
+            assert_rel_close(got, ref, 1e-6, name)
+    assert len(reads) == 1
+    assert seen == [("forward", False, True, (-1, 0)), ("forward", True, False, (-1, -1)),
+                    ("backward", False, True, (-1, 0)), ("backward", True, False, (-1, -1))]
 
 
 def test_the_override_keeps_a_left_padding_mask_as_a_bias(cuda_like, monkeypatch):

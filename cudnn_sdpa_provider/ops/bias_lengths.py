@@ -29,15 +29,15 @@ passes another bias (ALiBi, a relative position bias) pays one read, not one per
 else stays a bias on today's exact graph: left padding, a sequence of no real token (its rows see
 no key: a masked value there is not the same as no key), a sliding window, any other pattern.
 
-A read costs a synchronisation per forward call; the buckets spare a build per new length. Where the
-shape does not change (training padded to one length), they spare none, so an exact shape (its
-configuration, B and S) recognised ``STABLE_AFTER`` times keeps its bias from then on, unread, on
-the exact graph it builds once (rent, then buy, as ``engine.dense.PROMOTE_AFTER`` does for the
-folded graphs; the same number), while its configuration has been recognised at no more than
-``STABLE_SHAPES`` shapes. A configuration seen at more (dynamic padding, a new longest length per
-batch) keeps reading for good: its shapes come back, in a long run, often enough to get there one
-by one, and an exact graph for each would be the build per length, and the cache's turnover, that
-the buckets avoid.
+A read costs a synchronisation per forward call; the buckets spare a build per new length. Where
+the shape does not change (training padded to one length), they spare none, so an exact shape (its
+configuration, B and S) recognised ``STABLE_AFTER`` times (its first 256 calls read) keeps its
+bias from the next call on, unread, on the exact graph it builds once (rent, then buy, with the
+number ``engine.dense.PROMOTE_AFTER`` uses for the folded graphs), while its configuration has
+been recognised at no more than ``STABLE_SHAPES`` shapes. A configuration seen at more (dynamic
+padding, a new longest length per batch) keeps reading for good, its stable shapes too: its
+shapes come back, in a long run, often enough to get there one by one, and an exact graph for
+each would be the build per length, and the cache's turnover, that the buckets avoid.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ MASKED = -65504.0
 STABLE_AFTER = dense.PROMOTE_AFTER
 #: The most shapes a configuration may be recognised at and still have one kept unread.
 STABLE_SHAPES = 8
-_CONFIGURATIONS = 1024  # configurations whose shapes are counted (least recently counted dropped)
+#: Configurations whose shapes are counted, least recently counted dropped (one whose stable shape
+#: is no longer read is not counted either, so it goes first: it then starts over, read again).
+_CONFIGURATIONS = 1024
 
 _lock = threading.Lock()
 _not_masks: set = set()  # configurations (``_configuration``) whose bias was read and was not such a mask
@@ -121,18 +123,24 @@ def clear() -> None:
 def _count(configuration: tuple, shape: tuple) -> None:
     with _lock:
         shapes = _recognised.pop(configuration, {})
-        if shapes is not None and shape not in shapes and len(shapes) >= STABLE_SHAPES:
-            shapes = None  # dynamic: never kept unread
+        became_dynamic = shapes is not None and shape not in shapes and len(shapes) >= STABLE_SHAPES
+        if became_dynamic:
+            shapes = None  # dynamic: never kept unread, its stable shapes (if any) read again
         _recognised[configuration] = shapes
         while len(_recognised) > _CONFIGURATIONS:
             _recognised.popitem(last=False)
-        if shapes is None:
-            return
-        times = shapes[shape] = shapes.get(shape, 0) + 1
-    if times == STABLE_AFTER:
-        counters.log_once(("bias_lengths_stable", configuration), logging.INFO, "F.sdpa's padding mask came %d times "
-                          "at one shape (B %d, S %d): kept as a bias from now on, unread (its exact graph)",
-                          STABLE_AFTER, shape[1], shape[2])
+        times = None
+        if shapes is not None:
+            times = shapes[shape] = shapes.get(shape, 0) + 1
+    if became_dynamic:
+        counters.log_once(("bias_lengths_dynamic", configuration), logging.INFO, "F.sdpa's padding mask came at more "
+                          "than %d shapes of one configuration: read at every call from now on (the length "
+                          "buckets, no exact graph per length)", STABLE_SHAPES)
+    elif times == STABLE_AFTER:
+        counters.log_once(("bias_lengths_stable", configuration, shape), logging.INFO, "F.sdpa's padding mask came "
+                          "%d times at one shape (B %d, S %d): kept as a bias from the next call on, unread (its "
+                          "exact graph), while this configuration comes at no more than %d shapes",
+                          STABLE_AFTER, shape[1], shape[2], STABLE_SHAPES)
 
 
 def _configuration(bias, q) -> tuple:
