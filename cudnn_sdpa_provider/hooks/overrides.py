@@ -78,6 +78,12 @@ def _padding(attn_bias, query, key, dropout_p, refused: bool):
     return found
 
 
+def _as_lengths(padding) -> dict:
+    """The engine's arguments for a bias taken as lengths: no bias, dropout or signature (the
+    engine keys the lengths' tensors itself)."""
+    return {"seq_len_q": padding.seq_len_q, "seq_len_kv": padding.seq_len_kv}
+
+
 #: A configuration the known-issues table keeps off cuDNN is kept off PyTorch's own cuDNN kernels too:
 #: they run on the same cuDNN (GPU run 51: PyTorch's cuDNN backward segfaults at the
 #: NVIDIA/cudnn-frontend#1071 shape on cuDNN 9.28.1, as the bare graph does). Such a call runs on the
@@ -153,7 +159,7 @@ class _Dense:
         recompute = route.recompute(dropout_p)
         bias_grad = attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()
         refused = bias_grad or return_debug_mask or is_causal  # is_causal with a mask: both apply; keep the bias
-        padding = None if attn_bias is None else _padding(attn_bias, query, key, dropout_p, refused)
+        padding = _padding(attn_bias, query, key, dropout_p, refused)
         bias = None if padding is not None else attn_bias  # what the engine is given
         if padding is not None:
             window = padding.window
@@ -173,15 +179,11 @@ class _Dense:
             # Drawn only once the call is served: a fallback consumes no RNG state, so PyTorch's
             # kernel then draws exactly what it would have drawn natively.
             philox = rows.new_philox(query.device, 4) if dropout_p > 0.0 else None  # elements 0, 2: aligned
-            if padding is not None:  # the engine keys the lengths' tensors itself
-                out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window,
-                                         seq_len_q=padding.seq_len_q, seq_len_kv=padding.seq_len_kv,
-                                         compute_lse=compute_log_sumexp)
-            else:
-                out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window, bias=attn_bias,
-                                         dropout_p=float(dropout_p), compute_lse=compute_log_sumexp,
-                                         philox=(philox[0], philox[2]) if philox is not None else None,
-                                         signature=signature)
+            given = _as_lengths(padding) if padding is not None else dict(
+                bias=attn_bias, dropout_p=float(dropout_p), signature=signature,
+                philox=(philox[0], philox[2]) if philox is not None else None)
+            out, lse = dense.forward(query, key, value, scale=_scale(scale, query), window=window,
+                                     compute_lse=compute_log_sumexp, **given)
             if compute_log_sumexp:  # a backward can follow: the LSE it will receive is the marker
                 markers.mark(lse, markers.Record(served=True, strict=strict, padding=padding))
             seed, offset = _unused_philox(query.device) if philox is None else (philox[0], philox[2])
@@ -240,15 +242,10 @@ class _Dense:
             deterministic=deterministic), query.device.index)
 
         def serve():
-            if padding is not None:
-                dq, dk, dv, _ = dense.backward(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
-                                               window=window, seq_len_q=padding.seq_len_q,
-                                               seq_len_kv=padding.seq_len_kv, deterministic=deterministic)
-                return dq, dk, dv
+            given = _as_lengths(padding) if padding is not None else dict(
+                bias=attn_bias, dropout_p=dropout_p, philox=(philox_seed, philox_offset), signature=signature)
             dq, dk, dv, _ = dense.backward(grad_out, query, key, value, out, logsumexp, scale=_scale(scale, query),
-                                           window=window, bias=attn_bias, dropout_p=dropout_p,
-                                           philox=(philox_seed, philox_offset), deterministic=deterministic,
-                                           signature=signature)
+                                           window=window, deterministic=deterministic, **given)
             return dq, dk, dv
 
         # Our forward's out and lse have native cuDNN's meaning (natural-log stats, same layout), so

@@ -95,9 +95,11 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
         return None
     configuration = _configuration(bias, q)
     shape = (tuple(bias.shape), q.shape[0], q.shape[2])
-    with _lock:
+    with _lock:  # first what this process already knows: an ALiBi model's every call ends here
         if configuration in _not_masks or (_recognised.get(configuration) or {}).get(shape, 0) >= STABLE_AFTER:
             return None
+    if not _readable(bias, q):
+        return None
     try:
         found = _read(bias)
     except torch.OutOfMemoryError:  # the comparison's temporaries: the bias path needs none of them
@@ -154,11 +156,15 @@ def _candidate(bias, q, k) -> bool:
     s = q.shape[2]
     if s < 2 or k.shape[2] != s or tuple(bias.shape[2:]) != (s, s) or bias.numel() > MAX_ENTRIES:
         return False
-    if bias.shape[0] not in (1, q.shape[0]) or bias.shape[1] not in (1, q.shape[1]):
-        return False
+    return bias.shape[0] in (1, q.shape[0]) and bias.shape[1] in (1, q.shape[1])
+
+
+def _readable(bias, q) -> bool:
+    """Whether the bias may be read now: not while compiling or capturing, and only where the length
+    buckets are on (else an exact graph per length either way: keep the bias)."""
     if torch.compiler.is_compiling() or bias.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    return folded.buckets_on(q.device)  # else an exact graph per length either way: keep the bias
+    return folded.buckets_on(q.device)
 
 
 def _read(bias: torch.Tensor) -> Padding | None:
