@@ -12,7 +12,8 @@ call (four sets rotated and refilled outside the timed region):
   behind a long GPU sleep so that the queue never drains), over at most ``QUEUE_LAUNCHES`` kernel
   launches: a stream holds about a thousand pending launches, and a loop that issues more waits
   for the sleep to end (run 56's forward+backward "host" of 56 ms was that wait: 106-162 launches
-  per call x 20 calls);
+  per call x 20 calls); a path that synchronises with the GPU inside the call (the current recipe's
+  backward checks saturation on the host) has no host time to measure this way: ``n/a (synchronises)``;
 * kernels: the sum of the call's GPU kernel time (torch.profiler), and its kernels by total time.
 
 Each FP8 path's line ends with native's time over its own, by wall and by kernels: the kernels'
@@ -95,10 +96,16 @@ def measure(path, mode, sets, causal, gqa, calls):
         start = time.perf_counter()
         _loop(call, sets, n, sync=False)
         host = (time.perf_counter() - start) / n * 1e3
+        # the sleep outlasts any loop that issues without waiting: an idle stream here means a call
+        # synchronised with the GPU (the current recipe's backward does), and the time above is the wait
+        waited = torch.cuda.current_stream().query()
         torch.cuda.synchronize()
     total = sum(t for _, t in kernels.values()) / calls / 1e3
-    print(f"{path:8s} {mode:8s} wall {wall:7.3f} ms  host {host:7.3f} ms  kernels {total:7.3f} ms  "
+    host_text = "host     n/a (synchronises)" if waited else f"host {host:7.3f} ms"
+    print(f"{path:8s} {mode:8s} wall {wall:7.3f} ms  {host_text}  kernels {total:7.3f} ms  "
           f"launches/call {launches:.1f} (host over {n} calls)")
+    if waited:
+        host = float("nan")
     for name, (count, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:8]:
         print(f"    {t / calls / 1e3:7.3f} ms  x{count / calls:4.1f}  {name[:110]}")
     return wall, host, total
