@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudnn_sdpa_provider.core import counters, env
+from cudnn_sdpa_provider.core import counters, env, length_terms
 from cudnn_sdpa_provider.engine import dense, graphs
 from cudnn_sdpa_provider.hooks import overrides
 from cudnn_sdpa_provider.ops import bias_lengths, reference
@@ -67,6 +67,17 @@ def test_a_mask_broadcast_over_the_batch_gives_every_row_its_lengths():
     q, k = _qk(b=4)
     found = bias_lengths.recognise(_bias(_mask([6], 9)), q, k)
     assert found.seq_len_kv.tolist() == [6] * 4 and found.seq_len_kv.is_contiguous()
+
+
+@pytest.mark.parametrize("lengths", [[9, 4, 1], [6]])
+def test_recognised_lengths_are_marked_as_made_here(lengths):
+    """The forward and its backward share the row terms (core/length_terms.py) of lengths made here."""
+    q, k = _qk()
+    found = bias_lengths.recognise(_bias(_mask(lengths, 9)), q, k)
+    calls = []
+    for _ in range(2):
+        length_terms.get(found.seq_len_q, found.seq_len_kv, ("term",), lambda: calls.append(1))
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("fill", [INF, -65504.0, torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min])

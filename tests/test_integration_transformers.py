@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cudnn_sdpa_provider as csp
-from cudnn_sdpa_provider.core import counters
+from cudnn_sdpa_provider.core import counters, length_terms
 from cudnn_sdpa_provider.ops import reference
 from cudnn_sdpa_provider.integrations import transformers as csp_hf
 
@@ -192,6 +192,10 @@ def test_mask_builder_serves_right_padding_and_falls_back_otherwise(hf, case, sl
         if case == "right":
             assert built.seq_lens_kv.tolist() == [8, 6, 1]
             assert built.seq_lens_q.tolist() == ([8, 8, 8] if sliding is None else [8, 8, 3])
+            made = []  # marked as the builder's own: every layer shares their row terms (core/length_terms.py)
+            for _ in range(2):
+                length_terms.get(built.seq_lens_q, built.seq_lens_kv, ("term",), lambda: made.append(1))
+            assert made == [1]
         else:
             assert built.seq_lens_q is None and built.seq_lens_kv is None
     else:

@@ -24,7 +24,7 @@ import torch
 
 from . import binding as bd
 from . import fold_family, folded
-from ..core import counters, layout, rows
+from ..core import counters, layout, length_terms, rows
 from ..core.errors import NotSupportedError
 from .binding import Binding, tensor_key
 from .graphs import UID, BwdKey, FwdKey
@@ -109,9 +109,13 @@ def _safe_lengths(seq_len_q, seq_len_kv, s_q: int, s_kv: int):
     so cuDNN computes nothing for it, and ``bad`` (B, 1, 1, 1) makes its output NaN afterwards."""
     if seq_len_q is None:
         return None, None, None
-    bad = rows.bad_lengths(seq_len_q, seq_len_kv, s_q, s_kv)
-    flat = bad.view(-1)
-    return torch.where(flat, 0, seq_len_q), torch.where(flat, 0, seq_len_kv), bad
+
+    def make():
+        bad = rows.bad_lengths(seq_len_q, seq_len_kv, s_q, s_kv)
+        flat = bad.view(-1)
+        return torch.where(flat, 0, seq_len_q), torch.where(flat, 0, seq_len_kv), bad
+
+    return length_terms.get(seq_len_q, seq_len_kv, ("safe", s_q, s_kv), make)
 
 
 def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv, bad) -> None:
@@ -119,12 +123,17 @@ def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv
     lengths are out of range."""
     if not b.extra["dead"]:
         return
-    dead = rows.dead_rows(out.shape[2], s_kv, window, bottom_right, seq_len_q, seq_len_kv, out.device)
     if seq_len_q is None:
-        out.masked_fill_(dead, 0)
+        out.masked_fill_(rows.dead_rows(out.shape[2], s_kv, window, bottom_right, device=out.device), 0)
         return
-    value = torch.where(bad, float("nan"), 0.0).to(out.dtype)  # (B, 1, 1, 1)
-    torch.where(dead | bad, value, out, out=out)
+
+    def make():
+        dead = rows.dead_rows(out.shape[2], s_kv, window, bottom_right, seq_len_q, seq_len_kv, out.device)
+        return dead | bad, torch.where(bad, float("nan"), 0.0).to(out.dtype)  # value: (B, 1, 1, 1)
+
+    fixed, value = length_terms.get(seq_len_q, seq_len_kv, ("fix", out.shape[2], s_kv, window, bottom_right,
+                                                            out.dtype), make)
+    torch.where(fixed, value, out, out=out)
 
 
 def _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p) -> tuple:
@@ -475,12 +484,17 @@ def _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox, 
 
 
 def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, seq_len_kv) -> None:
-    if b.extra["dead"] or seq_len_q is not None:
-        dead = rows.dead_rows(dq.shape[2], dk.shape[2], window, bottom_right, seq_len_q, seq_len_kv, dq.device)
-        if dead is not None:
-            dq.masked_fill_(dead, 0)
-    if seq_len_kv is not None:
-        past_kv = rows.rows_past(seq_len_kv, dk.shape[2])
-        dk.masked_fill_(past_kv, 0)
-        dv.masked_fill_(past_kv, 0)
+    s_q, s_kv = dq.shape[2], dk.shape[2]
+    if seq_len_q is None:
+        if b.extra["dead"]:
+            dead = rows.dead_rows(s_q, s_kv, window, bottom_right, device=dq.device)
+            if dead is not None:
+                dq.masked_fill_(dead, 0)
+        return
+    dead = length_terms.get(seq_len_q, seq_len_kv, ("dead", s_q, s_kv, window, bottom_right), lambda: rows.dead_rows(
+        s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, dq.device))
+    dq.masked_fill_(dead, 0)
+    past_kv = length_terms.get(seq_len_q, seq_len_kv, ("past", s_kv), lambda: rows.rows_past(seq_len_kv, s_kv))
+    dk.masked_fill_(past_kv, 0)
+    dv.masked_fill_(past_kv, 0)
     # Out-of-range lengths need no poisoning here: the forward's rows of that batch row are NaN.

@@ -287,16 +287,26 @@ def build_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     padded = CudnnMask(window, False, shape, seq_q, seq_kv, materialize=materialize)
     if padding == "right" and lengths_apply:
         torch._assert_async(right_padded, "cudnn attention (padding='right'): the attention mask is not right-padded")
-        return padded
+        return _owned(padded)
     if _tracing(seq_kv):
         return _unserved(materialize, "a padding mask while tracing (padding='auto' reads it; use padding='right')")
     right, none = torch.stack([right_padded, no_padding]).tolist()  # the one device read
     if none:
         return served
     if right and lengths_apply:
-        return padded
+        return _owned(padded)
     return _unserved(materialize, "a padding mask that is not right padding" if lengths_apply else
                      "padding together with a cache offset (cuDNN aligns padded rows per sequence)")
+
+
+def _owned(mask: CudnnMask) -> CudnnMask:
+    """``mask``, its lengths marked as made here (core/length_terms.py): every layer of the forward
+    gets them, so their row terms are computed once, not per layer (never while tracing)."""
+    if not _tracing(mask.seq_lens_kv):
+        from ..core import length_terms
+
+        length_terms.own(mask.seq_lens_q, mask.seq_lens_kv)
+    return mask
 
 
 def _unserved(materialize, detail: str) -> torch.Tensor:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import counters
+from ..core import counters, length_terms
 from ..engine import dense, folded
 
 __all__ = ["MAX_ENTRIES", "STABLE_AFTER", "STABLE_SHAPES", "Padding", "recognise", "clear"]
@@ -111,7 +111,8 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
     _count(configuration, shape)
     if found.seq_len_kv.shape[0] != q.shape[0]:  # a bias broadcast over the batch
         lengths = found.seq_len_kv.expand(q.shape[0]).contiguous()
-        return Padding(found.window, torch.full_like(lengths, q.shape[2]), lengths)
+        found = Padding(found.window, torch.full_like(lengths, q.shape[2]), lengths)
+    length_terms.own(found.seq_len_q, found.seq_len_kv)  # made here: the forward and its backward share row terms
     return found
 
 

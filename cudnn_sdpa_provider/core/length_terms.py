@@ -1,0 +1,83 @@
+"""The row terms of sequence lengths that the package made itself, computed once and shared.
+
+A padded dense call derives small device tensors from its lengths (``core/rows.py``): the lengths
+cuDNN is given (0 where out of range) with the out-of-range flag, the rows that are 0 by
+definition, the value they get, the key rows past each length. That is about 40 small kernels for
+a forward and its backward, each launched from Python, which a host-bound step (a small model)
+pays in full. Lengths the package made itself are marked with ``own``: the transformers
+integration's ``CudnnMask`` (one pair for every layer of a forward and their backwards) and a
+padding mask read by ``ops/bias_lengths.py`` (one pair for a call and its backward). ``get``
+computes a term of a marked pair at the first call that needs it and hands it to the later ones.
+
+A term is reused only where nothing can have changed the values it was computed from:
+
+* the pair was marked by the code that made it, which never writes it again (a caller's own
+  lengths are never marked: a CUDA-graph replay or a ``.data`` write changes a tensor without its
+  version counter), and both tensors' version counters are what they were when it was marked (an
+  in-place write through torch drops the terms; inference tensors have no counter, and are marked
+  only by their maker too);
+* on the stream it was computed on (a term computed on another stream may not be ready yet);
+* not while a CUDA graph is being captured: a capture neither reads nor keeps a term (a captured
+  graph would read a term's memory after the term is freed, and a tensor made during a capture
+  holds its value only after a replay), and marks nothing.
+
+The terms live on the lengths tensor (an attribute) and are freed with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["own", "get"]
+
+_ATTR = "_cudnn_sdpa_length_terms"
+_MISSING = object()
+
+
+class _Terms:
+    """A marked pair's terms: {stream: {key: term}}, valid while ``seq_len_q`` and the versions hold."""
+
+    __slots__ = ("seq_len_q", "versions", "by_stream")
+
+    def __init__(self, seq_len_q: torch.Tensor, versions: tuple):
+        self.seq_len_q = weakref.ref(seq_len_q)  # the kv lengths hold the terms: no reference cycle
+        self.versions = versions
+        self.by_stream: dict = {}
+
+
+def _versions(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor) -> tuple:
+    return tuple(None if t.is_inference() else t._version for t in (seq_len_q, seq_len_kv))
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def own(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor) -> None:
+    """Mark a (B,) pair that the caller made and never writes again (module docstring); nothing is
+    marked while compiling or tracing (those tensors stand for values of later runs)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing(seq_len_kv):
+        return
+    seq_len_kv.__dict__[_ATTR] = _Terms(seq_len_q, _versions(seq_len_q, seq_len_kv))
+
+
+def get(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor, key: tuple, make: Callable):
+    """``make()``, or, for a marked pair, what ``make`` returned for ``key`` at an earlier call on
+    this stream. ``key`` must hold everything other than the lengths that the term depends on."""
+    terms = seq_len_kv.__dict__.get(_ATTR)
+    if terms is None or _capturing(seq_len_kv):
+        return make()
+    if terms.versions != _versions(seq_len_q, seq_len_kv):
+        del seq_len_kv.__dict__[_ATTR]  # written in place since it was marked: never reused again
+        return make()
+    if terms.seq_len_q() is not seq_len_q:  # the kv lengths with other query lengths
+        return make()
+    stream = torch._C._cuda_getCurrentRawStream(seq_len_kv.device.index) if seq_len_kv.is_cuda else 0
+    kept = terms.by_stream.setdefault(stream, {})
+    term = kept.get(key, _MISSING)
+    if term is _MISSING:
+        term = kept[key] = make()
+    return term

@@ -1,0 +1,214 @@
+"""core/length_terms.py: the row terms of package-made lengths, computed once and reused only while
+nothing can have changed them; and the engine's padded calls with such lengths (CPU, fake cuDNN)."""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+import re
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+from cudnn_sdpa_provider.core import length_terms, rows
+from cudnn_sdpa_provider.engine import dense, graphs
+from cudnn_sdpa_provider.ops import reference
+from tests import fake_cudnn
+from tests.util import assert_rel_close
+
+
+def _pair(kv=(9, 4, 0)):
+    return torch.full((len(kv),), 9, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32)
+
+
+class _Make:
+    """A term maker that counts its calls and returns a fresh tensor each time."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        return torch.zeros(1)
+
+
+def test_an_owned_pair_computes_each_term_once():
+    lq, lk = _pair()
+    length_terms.own(lq, lk)
+    make, other = _Make(), _Make()
+    first = length_terms.get(lq, lk, ("a", 9), make)
+    assert length_terms.get(lq, lk, ("a", 9), make) is first and make.calls == 1
+    assert length_terms.get(lq, lk, ("a", 10), other) is not first and other.calls == 1, "another key, another term"
+
+
+def test_lengths_nobody_marked_compute_every_time():
+    lq, lk = _pair()
+    make = _Make()
+    length_terms.get(lq, lk, ("a",), make)
+    length_terms.get(lq, lk, ("a",), make)
+    assert make.calls == 2
+
+
+def test_an_in_place_write_drops_the_terms_for_good():
+    lq, lk = _pair()
+    length_terms.own(lq, lk)
+    make = _Make()
+    length_terms.get(lq, lk, ("a",), make)
+    lk.add_(1)  # a write through torch: the version counter moves
+    length_terms.get(lq, lk, ("a",), make)
+    length_terms.get(lq, lk, ("a",), make)
+    assert make.calls == 3
+    lq2, lk2 = _pair()
+    length_terms.own(lq2, lk2)
+    lq2.fill_(3)  # the query lengths are checked too
+    length_terms.get(lq2, lk2, ("a",), make)
+    length_terms.get(lq2, lk2, ("a",), make)
+    assert make.calls == 5
+
+
+def test_the_kv_lengths_with_other_query_lengths_compute_afresh():
+    lq, lk = _pair()
+    length_terms.own(lq, lk)
+    make = _Make()
+    length_terms.get(lq, lk, ("a",), make)
+    length_terms.get(lq.clone(), lk, ("a",), make)
+    assert make.calls == 2
+
+
+def test_inference_tensors_are_marked_and_reused():
+    with torch.inference_mode():
+        lq, lk = _pair()
+        length_terms.own(lq, lk)
+        make = _Make()
+        length_terms.get(lq, lk, ("a",), make)
+        length_terms.get(lq, lk, ("a",), make)
+    assert make.calls == 1
+
+
+def test_a_capture_neither_marks_nor_reads_nor_keeps(monkeypatch):
+    lq, lk = _pair()
+    length_terms.own(lq, lk)
+    make = _Make()
+    kept = length_terms.get(lq, lk, ("a",), make)
+    monkeypatch.setattr(length_terms, "_capturing", lambda t: True)
+    assert length_terms.get(lq, lk, ("a",), make) is not kept, "a capture does not read a term made before it"
+    length_terms.get(lq, lk, ("b",), make)
+    fresh_q, fresh_kv = _pair()
+    length_terms.own(fresh_q, fresh_kv)  # lengths made during a capture are not marked
+    monkeypatch.setattr(length_terms, "_capturing", lambda t: False)
+    length_terms.get(fresh_q, fresh_kv, ("a",), make)
+    length_terms.get(fresh_q, fresh_kv, ("a",), make)
+    length_terms.get(lq, lk, ("b",), make)  # what the capture computed for "b" was not kept
+    assert make.calls == 6
+    assert length_terms.get(lq, lk, ("a",), make) is kept and make.calls == 6
+
+
+def test_terms_are_freed_with_their_lengths():
+    lq, lk = _pair()
+    length_terms.own(lq, lk)
+    term = weakref.ref(length_terms.get(lq, lk, ("a",), _Make()))
+    del lq, lk
+    gc.collect()
+    assert term() is None
+
+
+# ------------------------------------------------------------------- the engine's padded calls
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake_cudnn.FakeGraph.builds = 0
+    built = fake_cudnn.install(monkeypatch)
+    yield built
+    graphs.clear_cache()
+
+
+def _counting(monkeypatch) -> dict:
+    """Calls of the row-term functions, by name."""
+    calls = {}
+    for name in ("bad_lengths", "dead_rows", "rows_past"):
+        original = getattr(rows, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(rows, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (2, 0)])
+def test_layers_sharing_owned_lengths_compute_the_row_terms_once_and_match_the_reference(fake, monkeypatch, window):
+    """Three "layers" (their own q, k, v) and their backwards on one owned pair whose second batch
+    row is padded and third out of range: every layer's answer and gradients are the fp64
+    reference's (NaN for the out-of-range row), and the row terms were computed by the first."""
+    calls = _counting(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    b, h, s, d = 3, 2, 9, 8
+    lq = torch.tensor([9, 9, 9], dtype=torch.int32)
+    lk = torch.tensor([9, 4, 11], dtype=torch.int32)  # 11 > S: out of range
+    length_terms.own(lq, lk)
+    for layer in range(3):
+        q, k, v = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(3))
+        go = torch.randn(b, h, s, d, generator=gen, dtype=torch.float64)
+        out = torch.full((b, h, s, d), 7.0, dtype=torch.float64)  # poisoned: written below
+        out, lse = dense.forward(q, k, v, scale=0.4, window=window, seq_len_q=lq, seq_len_kv=lk)
+        dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=0.4, window=window, seq_len_q=lq, seq_len_kv=lk)
+        assert torch.isnan(out[2]).all(), "the out-of-range batch row is NaN in every layer"
+        qr, kr, vr = (t[:2].clone().requires_grad_() for t in (q, k, v))
+        want, _ = reference.dense(qr, kr, vr, scale=0.4, window=window, seq_len_q=lq[:2], seq_len_kv=lk[:2],
+                                  compute_dtype=torch.float64)
+        want_grads = torch.autograd.grad(want, (qr, kr, vr), go[:2])
+        assert_rel_close(out[:2], want, 1e-9, f"layer {layer} out")
+        for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want_grads):
+            assert_rel_close(got[:2], ref, 1e-9, f"layer {layer} {name}")
+        assert (dk[1, :, 4:] == 0).all() and (dv[1, :, 4:] == 0).all(), "keys past the length get no gradient"
+    assert calls == {"bad_lengths": 1, "dead_rows": 2, "rows_past": 1}, calls
+
+
+def test_unowned_lengths_compute_the_row_terms_at_every_call(fake, monkeypatch):
+    calls = _counting(monkeypatch)
+    q, k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    lq, lk = torch.tensor([9, 9], dtype=torch.int32), torch.tensor([9, 4], dtype=torch.int32)
+    for _ in range(2):
+        dense.forward(q, k, v, scale=0.4, window=(-1, 0), seq_len_q=lq, seq_len_kv=lk)
+    assert calls == {"bad_lengths": 2, "dead_rows": 2}, calls
+
+
+def test_a_write_to_owned_lengths_between_layers_is_seen(fake):
+    """The second layer runs on lengths written in place after the first: its padded rows follow the new
+    lengths (terms computed from the old ones would keep rows 4.. of batch row 1 alive)."""
+    q, k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    lq, lk = torch.tensor([9, 9], dtype=torch.int32), torch.tensor([9, 9], dtype=torch.int32)
+    length_terms.own(lq, lk)
+    dense.forward(q, k, v, scale=0.4, seq_len_q=lq, seq_len_kv=lk)
+    lq[1] = 4
+    out, _ = dense.forward(q, k, v, scale=0.4, seq_len_q=lq, seq_len_kv=lk)
+    assert (out[1, :, 4:] == 0).all() and (out[1, :, :4] != 0).any()
+    want, _ = reference.dense(q, k, v, scale=0.4, seq_len_q=lq, seq_len_kv=lk, compute_dtype=torch.float64)
+    assert_rel_close(out, want, 1e-9, "out after the write")
+
+
+def test_the_padded_host_script_counts_fewer_launches_for_owned_lengths():
+    """scripts/padded_host_cpu.py (the stand-in cuDNN): the owned pair launches the row terms once."""
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "padded_host_cpu.py"
+    done = subprocess.run([sys.executable, str(script), "--calls", "2", "--rounds", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ops = {m[0]: float(m[1]) for m in re.findall(r"^\s+(plain|padded|owned)\s+(\d+) aten ops", done.stdout, re.M)}
+    assert set(ops) == {"plain", "padded", "owned"}, done.stdout
+    assert ops["plain"] < ops["owned"] < ops["padded"] / 3, ops
+
+
+@pytest.mark.parametrize("owner, name", [(torch.compiler, "is_compiling"), (torch.jit, "is_tracing")])
+def test_nothing_is_marked_while_compiling_or_tracing(monkeypatch, owner, name):
+    monkeypatch.setattr(owner, name, lambda: True)
+    lq, lk = _pair()
+    length_terms.own(lq, lk)
+    make = _Make()
+    length_terms.get(lq, lk, ("a",), make)
+    length_terms.get(lq, lk, ("a",), make)
+    assert make.calls == 2
