@@ -32,12 +32,16 @@
 #                                                     # fp8_e2e_profile.py at each of its ten shapes:
 #                                                     # wall, host and kernels per path, and the
 #                                                     # kernels' ratio (the floor with the host hidden)
+#   OUT=/tmp/out bash scripts/gpu_pending.sh graphed  # issue #30 with the host hidden: fp8_graphed.py (the
+#                                                     # delayed recipe's call captured in a CUDA graph against
+#                                                     # native eager and replayed, with its errors vs fp32) at
+#                                                     # b1 4k, b4 GQA 4k and b1 8k, causal and not
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
 # Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
 set -u
-stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|rows|floor|tier}
+stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|rows|floor|graphed|tier}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 fe=${FRONTEND:-1.32.0}
@@ -130,12 +134,19 @@ case "$stage" in
       run "fp8_e2e_b${b}_h${h}kv${hk}_s${s}" python3 scripts/fp8_e2e_profile.py --shape "$shape" --no-causal --calls 10
     done
     ;;
+  graphed)
+    for shape in 1,32,32,4096,128 4,32,8,4096,128 1,32,32,8192,128; do
+      IFS=, read -r b h hk s d <<< "$shape"
+      run "fp8_graphed_b${b}_h${h}kv${hk}_s${s}_causal" python3 scripts/fp8_graphed.py --shape "$shape"
+      run "fp8_graphed_b${b}_h${h}kv${hk}_s${s}" python3 scripts/fp8_graphed.py --shape "$shape" --no-causal
+    done
+    ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \
       tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
     ;;
   *)
-    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, rows, floor, tier)" >&2
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, rows, floor, graphed, tier)" >&2
     exit 2
     ;;
 esac

@@ -69,6 +69,9 @@ def test_an_unknown_stage_is_refused(tmp_path):
     ("floor", "-m cudnn_sdpa_provider bench --shapes fp8", ["bench_fp8"]
      + [f"fp8_e2e_b{b}_h32kv{hk}_s{s}{c}" for b, hk, s in ((1, 32, 4096), (1, 32, 8192), (1, 32, 16384),
                                                           (4, 8, 4096), (4, 8, 8192)) for c in ("_causal", "")]),
+    ("graphed", "scripts/fp8_graphed.py --shape 1,32,32,4096,128",
+     [f"fp8_graphed_b{b}_h32kv{hk}_s{s}{c}" for b, hk, s in ((1, 32, 4096), (4, 8, 4096), (1, 32, 8192))
+      for c in ("_causal", "")]),
     ("tier", "-m pytest tests/gpu/test_known_issues_gpu.py", ["tier"]),
 ])
 def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first, sections):
