@@ -13,7 +13,9 @@
 # warm-up calls: past the 256 attention calls after which a padded HF row keeps its mask unread
 # (ops/bias_lengths.STABLE_AFTER), so both copies are timed in their steady state. Then one line per row:
 # the median of each copy's `vs_native` (native time / provider time) over the processes that wrote
-# it, with how many did, and new / old.
+# it, with how many did, and new / old; then each process's ratio, in run order. GPU run 76 found a
+# copy's ratio moving between its own processes by more than 2% on these rows (b16 causal forward:
+# 0.50-0.99): compare medians of many rounds (ROUNDS), with SHAPES cut to the rows in question.
 set -u
 OUT=$(realpath -m "${OUT:-$PWD/gpu-out}")  # absolute: the old rounds run from .old/
 mkdir -p "$OUT"
@@ -42,7 +44,7 @@ done
 python3 - "$OUT" <<'PY'
 import glob, json, statistics, sys
 ratios = {}
-for path in sorted(glob.glob(f"{sys.argv[1]}/static-ab-*.json")):
+for path in sorted(glob.glob(f"{sys.argv[1]}/static-ab-*.json"), key=lambda p: int(p.rsplit("-", 1)[1][:-5])):
     copy = path.rsplit("/", 1)[1].split("-")[2]
     rows = json.load(open(path))["rows"]
     for r in rows:
@@ -52,4 +54,6 @@ for (case, mode, path), by in sorted(ratios.items()):
     old, new = (statistics.median(by[c]) if by.get(c) else float("nan") for c in ("old", "new"))
     counts = f"({len(by.get('old', []))} / {len(by.get('new', []))} processes)"
     print(f"{case:36s} {mode:8s} {path:18s} old {old:.3f}x  new {new:.3f}x  new/old {new / old:.3f} {counts}")
+    for copy in ("old", "new"):  # each process's own ratio, in run order: the spread the medians sit in
+        print(f"    {copy}: " + " ".join(f"{r:.3f}" for r in by.get(copy, [])))
 PY
