@@ -10,7 +10,8 @@ lengths 256 and 128), for three kinds of call:
 * ``plain``: no lengths;
 * ``padded``: the caller's own lengths (every call derives its terms);
 * ``owned``: lengths marked as the package's own (``length_terms.own``), as the transformers
-  integration's and ``ops/bias_lengths.py``'s are: every call after the first reuses the terms.
+  integration's and ``ops/bias_lengths.py``'s are: every call after the first reuses the terms, so
+  this is what a model's layers after the first issue (its first layer issues about ``padded``'s).
 
 With ``--hf`` (needs transformers), also the aten ops of one training step of that bench case's
 model (2 layers) with ``attn_implementation="sdpa"`` and with the integration's ``"cudnn"``.

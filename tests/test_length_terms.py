@@ -13,8 +13,8 @@ import weakref
 import pytest
 import torch
 
-from cudnn_sdpa_provider.core import length_terms, rows
-from cudnn_sdpa_provider.engine import dense, graphs
+from cudnn_sdpa_provider.core import env, length_terms, rows
+from cudnn_sdpa_provider.engine import dense, folded, graphs
 from cudnn_sdpa_provider.ops import reference
 from tests import fake_cudnn
 from tests.util import assert_rel_close
@@ -78,11 +78,22 @@ def test_the_kv_lengths_with_other_query_lengths_compute_afresh():
     assert make.calls == 2
 
 
-def test_inference_tensors_are_marked_and_reused():
+def test_inference_tensors_are_not_marked():
+    """They keep no version counter, so a write to them could not be seen."""
     with torch.inference_mode():
         lq, lk = _pair()
         length_terms.own(lq, lk)
         make = _Make()
+        length_terms.get(lq, lk, ("a",), make)
+        length_terms.get(lq, lk, ("a",), make)
+    assert make.calls == 2
+
+
+def test_a_marked_pair_used_inside_inference_mode_is_reused():
+    lq, lk = _pair()
+    length_terms.own(lq, lk)
+    make = _Make()
+    with torch.inference_mode():
         length_terms.get(lq, lk, ("a",), make)
         length_terms.get(lq, lk, ("a",), make)
     assert make.calls == 1
@@ -118,22 +129,30 @@ def test_terms_are_freed_with_their_lengths():
 # ------------------------------------------------------------------- the engine's padded calls
 
 
-@pytest.fixture
-def fake(monkeypatch):
+@pytest.fixture(params=["buckets", "exact"])
+def fake(request, monkeypatch):
+    """The stand-in cuDNN, with the length buckets on (the folded graphs) or off (the exact graphs)."""
+    monkeypatch.setenv(env.SHAPE_BUCKETS, "1" if request.param == "buckets" else "0")
     fake_cudnn.FakeGraph.builds = 0
+    graphs.clear_cache()
     built = fake_cudnn.install(monkeypatch)
-    yield built
+    folds = []
+    real = folded.run_forward
+    monkeypatch.setattr(folded, "run_forward", lambda *a, **kw: folds.append(1) or real(*a, **kw))
+    yield request.param, folds
     graphs.clear_cache()
 
 
 def _counting(monkeypatch) -> dict:
-    """Calls of the row-term functions, by name."""
+    """Calls of the row-term functions on lengths, by name (``dead_rows`` without lengths, from the
+    shapes alone, runs when a binding is made: not counted)."""
     calls = {}
     for name in ("bad_lengths", "dead_rows", "rows_past"):
         original = getattr(rows, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
+            if _name != "dead_rows" or (args[4:5] or [kwargs.get("seq_len_q")])[0] is not None:
+                calls[_name] = calls.get(_name, 0) + 1
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(rows, name, counted)
@@ -145,6 +164,7 @@ def test_layers_sharing_owned_lengths_compute_the_row_terms_once_and_match_the_r
     """Three "layers" (their own q, k, v) and their backwards on one owned pair whose second batch
     row is padded and third out of range: every layer's answer and gradients are the fp64
     reference's (NaN for the out-of-range row), and the row terms were computed by the first."""
+    mode, folds = fake
     calls = _counting(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     b, h, s, d = 3, 2, 9, 8
@@ -154,7 +174,6 @@ def test_layers_sharing_owned_lengths_compute_the_row_terms_once_and_match_the_r
     for layer in range(3):
         q, k, v = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(3))
         go = torch.randn(b, h, s, d, generator=gen, dtype=torch.float64)
-        out = torch.full((b, h, s, d), 7.0, dtype=torch.float64)  # poisoned: written below
         out, lse = dense.forward(q, k, v, scale=0.4, window=window, seq_len_q=lq, seq_len_kv=lk)
         dq, dk, dv, _ = dense.backward(go, q, k, v, out, lse, scale=0.4, window=window, seq_len_q=lq, seq_len_kv=lk)
         assert torch.isnan(out[2]).all(), "the out-of-range batch row is NaN in every layer"
@@ -167,6 +186,7 @@ def test_layers_sharing_owned_lengths_compute_the_row_terms_once_and_match_the_r
             assert_rel_close(got[:2], ref, 1e-9, f"layer {layer} {name}")
         assert (dk[1, :, 4:] == 0).all() and (dv[1, :, 4:] == 0).all(), "keys past the length get no gradient"
     assert calls == {"bad_lengths": 1, "dead_rows": 2, "rows_past": 1}, calls
+    assert len(folds) == (3 if mode == "buckets" else 0), "the path the fixture asked for ran"
 
 
 def test_unowned_lengths_compute_the_row_terms_at_every_call(fake, monkeypatch):
@@ -203,6 +223,20 @@ def test_the_padded_host_script_counts_fewer_launches_for_owned_lengths():
     assert ops["plain"] < ops["owned"] < ops["padded"] / 3, ops
 
 
+def test_the_transformers_integration_computes_its_row_terms_once_per_forward():
+    """scripts/padded_host_cpu.py --hf: a 2-layer HF training step through the integration issues at
+    most 60 aten ops more than the same step on sdpa (the mask builder, and the row terms once; with
+    the terms at every layer's forward and backward, 121 more)."""
+    pytest.importorskip("transformers")
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "padded_host_cpu.py"
+    done = subprocess.run([sys.executable, str(script), "--calls", "1", "--rounds", "1", "--hf"], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = dict(re.findall(r"attn_implementation='(\w+)': (\d+) aten ops", done.stdout))
+    assert set(steps) == {"sdpa", "cudnn"}, done.stdout
+    assert 0 < int(steps["cudnn"]) - int(steps["sdpa"]) <= 60, steps
+
+
 @pytest.mark.parametrize("owner, name", [(torch.compiler, "is_compiling"), (torch.jit, "is_tracing")])
 def test_nothing_is_marked_while_compiling_or_tracing(monkeypatch, owner, name):
     monkeypatch.setattr(owner, name, lambda: True)
@@ -212,3 +246,35 @@ def test_nothing_is_marked_while_compiling_or_tracing(monkeypatch, owner, name):
     length_terms.get(lq, lk, ("a",), make)
     length_terms.get(lq, lk, ("a",), make)
     assert make.calls == 2
+
+
+def _fwd_bwd(q, k, v, go, lq, lk, window, bottom_right):
+    out, lse = dense.forward(q, k, v, scale=0.4, window=window, bottom_right=bottom_right, seq_len_q=lq,
+                             seq_len_kv=lk)
+    return (out,) + dense.backward(go, q, k, v, out, lse, scale=0.4, window=window, bottom_right=bottom_right,
+                                   seq_len_q=lq, seq_len_kv=lk)[:3]
+
+
+def test_each_key_part_gets_its_own_terms(fake):
+    """One marked pair through calls that differ in one part of the terms' keys at a time (S_q, S_kv,
+    window, alignment): each call's answers and gradients are those of the same call on lengths
+    nobody marked (a term taken from another call's key would zero or keep other rows)."""
+    gen = torch.Generator().manual_seed(5)
+    lq, lk = torch.tensor([5, 4], dtype=torch.int32), torch.tensor([7, 3], dtype=torch.int32)
+    length_terms.own(lq, lk)
+    # Batch row 1 (4 queries, 3 keys, bottom-right: offset -1): its first query sees no key under the
+    # causal window aligned bottom-right, one under (0, 2) or top-left; S_kv 6 puts batch row 0's 7 keys
+    # out of range (NaN).
+    f64, f32 = torch.float64, torch.float32  # the output's dtype: its fill value's
+    for s_q, s_kv, window, bottom_right, dtype in (
+            (6, 8, (-1, 0), False, f64), (6, 8, (-1, 0), True, f64), (6, 8, (2, 0), True, f64),
+            (5, 8, (-1, 0), True, f64), (6, 7, (-1, 0), True, f64), (6, 7, (0, 2), True, f64),
+            (6, 7, (-1, -1), False, f64), (6, 7, (1, 1), False, f64), (6, 6, (-1, 0), False, f64),
+            (6, 7, (-1, 0), False, f64), (6, 7, (-1, 0), False, f32)):
+        q = torch.randn(2, 2, s_q, 8, generator=gen, dtype=dtype)
+        k, v = (torch.randn(2, 2, s_kv, 8, generator=gen, dtype=dtype) for _ in range(2))
+        go = torch.randn(2, 2, s_q, 8, generator=gen, dtype=dtype)
+        marked = _fwd_bwd(q, k, v, go, lq, lk, window, bottom_right)
+        plain = _fwd_bwd(q, k, v, go, lq.clone(), lk.clone(), window, bottom_right)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), marked, plain):
+            assert torch.equal(a.nan_to_num(9.0), b.nan_to_num(9.0)), (name, s_q, s_kv, window, bottom_right)

@@ -14,9 +14,11 @@ A term is reused only where nothing can have changed the values it was computed 
 * the pair was marked by the code that made it, which never writes it again (a caller's own
   lengths are never marked: a CUDA-graph replay or a ``.data`` write changes a tensor without its
   version counter), and both tensors' version counters are what they were when it was marked (an
-  in-place write through torch drops the terms; inference tensors have no counter, and are marked
-  only by their maker too);
-* on the stream it was computed on (a term computed on another stream may not be ready yet);
+  in-place write through torch drops the terms); inference tensors, which have no counter, are
+  never marked;
+* on the stream it was computed on (a term computed on another stream may not be ready yet; a
+  stream is told by its handle, so an external stream destroyed and another created at the same
+  handle would pass for it: torch's own streams are pooled and never destroyed);
 * not while a CUDA graph is being captured: a capture neither reads nor keeps a term (a captured
   graph would read a term's memory after the term is freed, and a tensor made during a capture
   holds its value only after a replay), and marks nothing.
@@ -49,16 +51,25 @@ class _Terms:
 
 
 def _versions(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor) -> tuple:
-    return tuple(None if t.is_inference() else t._version for t in (seq_len_q, seq_len_kv))
+    return seq_len_q._version, seq_len_kv._version
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Whether ``t``'s device's current stream is capturing a CUDA graph (not only the current device's)."""
+    if not t.is_cuda:
+        return False
+    if t.device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(t.device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def own(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor) -> None:
     """Mark a (B,) pair that the caller made and never writes again (module docstring); nothing is
-    marked while compiling or tracing (those tensors stand for values of later runs)."""
+    marked while compiling or tracing (those tensors stand for values of later runs), and no
+    inference tensor (no version counter)."""
+    if seq_len_q.is_inference() or seq_len_kv.is_inference():
+        return
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing(seq_len_kv):
         return
     seq_len_kv.__dict__[_ATTR] = _Terms(seq_len_q, _versions(seq_len_q, seq_len_kv))
@@ -71,7 +82,7 @@ def get(seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor, key: tuple, make: Cal
     if terms is None or _capturing(seq_len_kv):
         return make()
     if terms.versions != _versions(seq_len_q, seq_len_kv):
-        del seq_len_kv.__dict__[_ATTR]  # written in place since it was marked: never reused again
+        seq_len_kv.__dict__.pop(_ATTR, None)  # written in place since it was marked: never reused again
         return make()
     if terms.seq_len_q() is not seq_len_q:  # the kv lengths with other query lengths
         return make()
