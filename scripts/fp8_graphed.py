@@ -22,8 +22,10 @@ afresh). The recipe is the delayed one, its history advanced on the device at ev
     python3 scripts/fp8_graphed.py [--shape 1,32,32,4096,128] [--no-causal] [--modes fwd,fwd_bwd]
                                    [--replays 50] [--rounds 5]
 
-Exit status: 0, 1 when a replayed FP8 result is over a bar, left unwritten or fell back, 3 when a
-capture failed (the error is printed), 4 without a CUDA GPU.
+Exit status: 0; 1 when a replayed FP8 result is over a bar or NaN (its outputs were NaN before the
+replay) or an FP8 call fell back, eager or captured; 2 when the provider is enabled in the process
+(native would not be PyTorch's own); 3 when a capture failed (the error is printed); 4 without a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -129,9 +131,14 @@ def run_mode(mode: str, shape, causal: bool, replays: int, rounds: int, gen) -> 
     with torch.enable_grad() if grad else torch.no_grad():
         for path in ("native", "fp8"):
             call = _call(path, mode, causal, h != hk, recipe)
+            before = _fallbacks()
             for _ in range(WARMUP):
                 call(*inputs)
             times[f"{path} eager"] = _timed(lambda: call(*inputs), replays, rounds, refill)
+            eager_fell_back = {p: n for p, n in _fallbacks().items() if n != before.get(p)}
+            if eager_fell_back:  # the eager time is the fallback's, not the FP8 path's
+                print(f"{mode:8s} {path} eager fell back: {eager_fell_back}")
+                status = max(status, 1)
             before = _fallbacks()
             try:
                 graph, outs = _capture(call, inputs)
@@ -148,15 +155,15 @@ def run_mode(mode: str, shape, causal: bool, replays: int, rounds: int, gen) -> 
                 refill()
                 graph.replay()
                 torch.cuda.synchronize()
-                unwritten = [n for n, o in zip(("out", "dq", "dk", "dv"), outs) if torch.isnan(o).any()]
+                nan_left = [n for n, o in zip(("out", "dq", "dk", "dv"), outs) if torch.isnan(o).any()]
                 errors = _errors(outs, inputs, causal, h != hk)
                 over = {n: e for n, e in errors.items() if e > BARS[n]}
                 replays_saturated = recipe.saturated - saturated
                 print(f"{mode:8s} fp8 replayed: error vs fp32 "
                       + ", ".join(f"{n} {e:.4f} (bar {BARS[n]})" for n, e in errors.items())
                       + f"; saturated calls over the replays {replays_saturated}; fell back while captured "
-                      f"{fell_back or 'none'}; unwritten {unwritten or 'none'}")
-                if over or unwritten or fell_back:
+                      f"{fell_back or 'none'}; NaN after the replay {nan_left or 'none'}")
+                if over or nan_left or fell_back:
                     status = max(status, 1)
             del graph, outs
     line = "  ".join(f"{name} {ms:.3f} ms" for name, ms in times.items())
@@ -180,6 +187,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("fp8_graphed: needs a CUDA GPU", file=sys.stderr)
         return 4
+    if csp.enabled():  # e.g. CUDNN_SDPA_PROVIDER set: "native" would be the provider's F.sdpa
+        print("fp8_graphed: the provider is enabled in this process (CUDNN_SDPA_PROVIDER?); native must be "
+              "PyTorch's own", file=sys.stderr)
+        return 2
     causal = not args.no_causal
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {args.shape} causal={causal}, delayed "
           f"recipe, {args.rounds} rounds of {args.replays} calls")
