@@ -12,8 +12,9 @@
 #                                                     # shapes and folded tests, compute-sanitizer
 #   OUT=/tmp/out bash scripts/gpu_pending.sh lengths  # issue #28, the part of "shapes" that fits one short
 #                                                     # call: the shapes and folded tests, new_length on
-#                                                     # three paths, the new-length breakdown, and
-#                                                     # hf_dynamic_padding under enable() (its builds)
+#                                                     # three paths, the new-length breakdown,
+#                                                     # hf_dynamic_padding under enable() (its builds), and
+#                                                     # the right-padded HF model tests (length_terms)
 #   OUT=/tmp/out bash scripts/gpu_pending.sh generate # issue #28, the rest of "shapes" in one call: decode
 #                                                     # calls, hf_generate (four paths, batch 8 and 1),
 #                                                     # hf_dynamic_padding (three paths), each in this
@@ -85,6 +86,10 @@ case "$stage" in
     run new_length_breakdown python3 scripts/new_length_breakdown.py
     if [ "$stage" = lengths ]; then  # HF's padding mask under enable() (ops/bias_lengths.py): builds per doubling?
       run hf_dynamic_padding_provider python3 scripts/bench_shapes.py hf_dynamic_padding provider
+      # right-padded HF models through the integration and under enable(), forward and backward against
+      # eager: every layer after the first on the row terms kept on the lengths (core/length_terms.py)
+      run hf_models_padded python3 -m pytest tests/gpu/test_models.py --gpu -q -p no:cacheprovider \
+        -k "served_and_equal_to_eager or inside_enable_served"
     fi
     [ "$stage" = lengths ] && { echo "===== stage lengths: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a "$log"; exit $status; }
     run decode_calls python3 scripts/decode_profile.py calls --steps 64
