@@ -128,12 +128,19 @@ def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv
         return
 
     def make():
-        dead = rows.dead_rows(out.shape[2], s_kv, window, bottom_right, seq_len_q, seq_len_kv, out.device)
+        dead = _dead(out, s_kv, window, bottom_right, seq_len_q, seq_len_kv)  # its backward's too
         return dead | bad, torch.where(bad, float("nan"), 0.0).to(out.dtype)  # value: (B, 1, 1, 1)
 
     fixed, value = length_terms.get(seq_len_q, seq_len_kv, ("fix", out.shape[2], s_kv, window, bottom_right,
                                                             out.dtype), make)
     torch.where(fixed, value, out, out=out)
+
+
+def _dead(t: torch.Tensor, s_kv: int, window, bottom_right, seq_len_q, seq_len_kv) -> torch.Tensor:
+    """(B, 1, S_q, 1) bool: the rows of a padded call (S_q = ``t.shape[2]``) that are 0 by definition."""
+    s_q = t.shape[2]
+    return length_terms.get(seq_len_q, seq_len_kv, ("dead", s_q, s_kv, window, bottom_right), lambda: rows.dead_rows(
+        s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, t.device))
 
 
 def _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p) -> tuple:
@@ -491,9 +498,7 @@ def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, se
             if dead is not None:
                 dq.masked_fill_(dead, 0)
         return
-    dead = length_terms.get(seq_len_q, seq_len_kv, ("dead", s_q, s_kv, window, bottom_right), lambda: rows.dead_rows(
-        s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, dq.device))
-    dq.masked_fill_(dead, 0)
+    dq.masked_fill_(_dead(dq, s_kv, window, bottom_right, seq_len_q, seq_len_kv), 0)
     past_kv = length_terms.get(seq_len_q, seq_len_kv, ("past", s_kv), lambda: rows.rows_past(seq_len_kv, s_kv))
     dk.masked_fill_(past_kv, 0)
     dv.masked_fill_(past_kv, 0)
