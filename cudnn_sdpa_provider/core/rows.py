@@ -3,15 +3,17 @@
 All device-side, no host sync: rows of padded or keyless queries (0 by definition, cuDNN leaves
 them unspecified), lengths that are out of range (their rows are poisoned with NaN instead of being
 computed as something else: lengths are never read on the host), the sink gradient, and dropout's
-Philox pair.
+Philox pair. A padded call's lengths terms (``safe_lengths``, ``padded_dead_rows``) are kept on
+lengths the package made itself (``length_terms``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import length_terms
 
-__all__ = ["dead_rows", "rows_past", "bad_lengths", "bad_packed_lengths", "paged_guard", "paged_dead_rows", "token_rows", "fill_words", "fill",
+__all__ = ["dead_rows", "padded_dead_rows", "safe_lengths", "rows_past", "bad_lengths", "bad_packed_lengths", "paged_guard", "paged_dead_rows", "token_rows", "fill_words", "fill",
            "padded_lse", "sink_grad_dense", "sink_grad_packed", "new_philox"]
 
 
@@ -37,6 +39,28 @@ def dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q=None, s
     hi = torch.minimum(i + off + right, lk - 1) if right >= 0 else (lk - 1).expand_as(i + off)
     live = (i < lq) & (lo <= hi)
     return (~live).view(live.shape[0], 1, s_q, 1)
+
+
+def padded_dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q, seq_len_kv, device):
+    """``dead_rows`` of a padded call, kept on lengths the package made (``length_terms``): a
+    forward's mask serves its backward and the other layers' calls."""
+    return length_terms.get(seq_len_q, seq_len_kv, ("dead", s_q, s_kv, window, bottom_right), lambda: dead_rows(
+        s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, device))
+
+
+def safe_lengths(seq_len_q, seq_len_kv, s_q: int, s_kv: int):
+    """(lengths cuDNN is given, bad): a batch row whose lengths are outside [0, S] is given lengths 0,
+    so cuDNN computes nothing for it, and ``bad`` (B, 1, 1, 1) makes its output NaN afterwards;
+    (None, None, None) without lengths. Kept on lengths the package made (``length_terms``)."""
+    if seq_len_q is None:
+        return None, None, None
+
+    def make():
+        bad = bad_lengths(seq_len_q, seq_len_kv, s_q, s_kv)
+        flat = bad.view(-1)
+        return torch.where(flat, 0, seq_len_q), torch.where(flat, 0, seq_len_kv), bad
+
+    return length_terms.get(seq_len_q, seq_len_kv, ("safe", s_q, s_kv), make)
 
 
 def rows_past(lengths: torch.Tensor, s: int) -> torch.Tensor:

@@ -104,20 +104,6 @@ def _options_pairs(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p):
     return pairs
 
 
-def _safe_lengths(seq_len_q, seq_len_kv, s_q: int, s_kv: int):
-    """(lengths cuDNN is given, bad): a batch row whose lengths are outside [0, S] is given lengths 0,
-    so cuDNN computes nothing for it, and ``bad`` (B, 1, 1, 1) makes its output NaN afterwards."""
-    if seq_len_q is None:
-        return None, None, None
-
-    def make():
-        bad = rows.bad_lengths(seq_len_q, seq_len_kv, s_q, s_kv)
-        flat = bad.view(-1)
-        return torch.where(flat, 0, seq_len_q), torch.where(flat, 0, seq_len_kv), bad
-
-    return length_terms.get(seq_len_q, seq_len_kv, ("safe", s_q, s_kv), make)
-
-
 def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv, bad) -> None:
     """Zero the rows that are 0 by definition and, in one pass, make NaN the batch rows whose
     lengths are out of range."""
@@ -128,19 +114,12 @@ def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv
         return
 
     def make():
-        dead = _dead(out, s_kv, window, bottom_right, seq_len_q, seq_len_kv)  # its backward's too
+        dead = rows.padded_dead_rows(out.shape[2], s_kv, window, bottom_right, seq_len_q, seq_len_kv, out.device)
         return dead | bad, torch.where(bad, float("nan"), 0.0).to(out.dtype)  # value: (B, 1, 1, 1)
 
     fixed, value = length_terms.get(seq_len_q, seq_len_kv, ("fix", out.shape[2], s_kv, window, bottom_right,
                                                             out.dtype), make)
     torch.where(fixed, value, out, out=out)
-
-
-def _dead(t: torch.Tensor, s_kv: int, window, bottom_right, seq_len_q, seq_len_kv) -> torch.Tensor:
-    """(B, 1, S_q, 1) bool: the rows of a padded call (S_q = ``t.shape[2]``) that are 0 by definition."""
-    s_q = t.shape[2]
-    return length_terms.get(seq_len_q, seq_len_kv, ("dead", s_q, s_kv, window, bottom_right), lambda: rows.dead_rows(
-        s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, t.device))
 
 
 def _extras(q, bias, seq_len_q, seq_len_kv, sinks, philox, dropout_p) -> tuple:
@@ -188,7 +167,7 @@ def forward(q, k, v, *, scale: float, window=(-1, -1), bottom_right=False, sinks
     out = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     out_buf = out if found.direct[0] else torch.empty(size, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_size, dtype=torch.float32, device=q.device)
-    safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+    safe_q, safe_kv, bad = rows.safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
     buffers = (q, k, v, out_buf, lse) if compute_lse else (q, k, v, out_buf)
     buffers += _extras(q, bias, safe_q, safe_kv, sinks, philox, dropout_p)
     if rng_dump is not None and dropout_p > 0.0:
@@ -249,7 +228,7 @@ def _promoted(signature, found: Binding, s_q: int, bind_exact) -> Binding:
 def _run_folded_forward(found, q, k, v, compute_lse, window, bottom_right, seq_len_q, seq_len_kv):
     if seq_len_q is None:
         return folded.run_forward(found, q, k, v, compute_lse)
-    safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+    safe_q, safe_kv, bad = rows.safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
     out, lse = folded.run_forward(found, q, k, v, compute_lse, (safe_q, safe_kv))
     _fix_rows(out, found, window, bottom_right, seq_len_q, seq_len_kv, k.shape[2], bad)
     return out, lse
@@ -437,7 +416,7 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
             grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox, scale, window, bottom_right, dropout_p,
             deterministic))
     if found.extra.get("fold"):
-        safe_q, safe_kv, bad = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+        safe_q, safe_kv, bad = rows.safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
         dq, dk, dv = folded.run_backward(found, grad_out, q, k, v, out, lse,
                                          None if seq_len_q is None else (safe_q, safe_kv))
         if seq_len_q is not None:  # rows past the lengths are 0; a batch row with bad lengths is NaN
@@ -452,7 +431,7 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         do = torch.empty_like(outr).copy_(grad_out) if fix_do else grad_out  # dO matched to the (repaired) O
         lse_in = lse.contiguous() if fix_lse else lse  # cuDNN < 9.26 misreads non-packed stats
     (dq, dk, dv), bufs = bd.outputs(found, (q.dtype, k.dtype, v.dtype), q.device)
-    safe_q, safe_kv, _ = _safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
+    safe_q, safe_kv, _ = rows.safe_lengths(seq_len_q, seq_len_kv, q.shape[2], k.shape[2])
     buffers = (qr, kr, vr, outr, do, lse_in, bufs[0], bufs[1], bufs[2])
     buffers += _extras(q, bias, safe_q, safe_kv, sinks, philox, dropout_p)
     if sinks is not None:  # cuDNN writes dSink_token; the gradient itself is computed below
@@ -498,7 +477,7 @@ def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, se
             if dead is not None:
                 dq.masked_fill_(dead, 0)
         return
-    dq.masked_fill_(_dead(dq, s_kv, window, bottom_right, seq_len_q, seq_len_kv), 0)
+    dq.masked_fill_(rows.padded_dead_rows(s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, dq.device), 0)
     past_kv = length_terms.get(seq_len_q, seq_len_kv, ("past", s_kv), lambda: rows.rows_past(seq_len_kv, s_kv))
     dk.masked_fill_(past_kv, 0)
     dv.masked_fill_(past_kv, 0)
