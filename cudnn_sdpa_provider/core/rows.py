@@ -3,7 +3,7 @@
 All device-side, no host sync: rows of padded or keyless queries (0 by definition, cuDNN leaves
 them unspecified), lengths that are out of range (their rows are poisoned with NaN instead of being
 computed as something else: lengths are never read on the host), the sink gradient, and dropout's
-Philox pair. A padded call's lengths terms (``safe_lengths``, ``padded_dead_rows``) are kept on
+Philox pair. A padded call's length terms (``safe_lengths``, ``padded_dead_rows``) are kept on
 lengths the package made itself (``length_terms``).
 """
 
