@@ -285,10 +285,11 @@ def build_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     # Lengths only without a cache offset: cuDNN aligns a padded diagonal to each sequence's end.
     lengths_apply = not bottom_right and kv_offset == 0
     padded = CudnnMask(window, False, shape, seq_q, seq_kv, materialize=materialize)
+    tracing = _tracing(seq_kv)
     if padding == "right" and lengths_apply:
         torch._assert_async(right_padded, "cudnn attention (padding='right'): the attention mask is not right-padded")
-        return _owned(padded)
-    if _tracing(seq_kv):
+        return padded if tracing else _owned(padded)
+    if tracing:
         return _unserved(materialize, "a padding mask while tracing (padding='auto' reads it; use padding='right')")
     right, none = torch.stack([right_padded, no_padding]).tolist()  # the one device read
     if none:
@@ -301,11 +302,10 @@ def build_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
 
 def _owned(mask: CudnnMask) -> CudnnMask:
     """``mask``, its lengths marked as made here (core/length_terms.py): every layer of the forward
-    gets them, so their row terms are computed once, not per layer (never while tracing)."""
-    if not _tracing(mask.seq_lens_kv):
-        from ..core import length_terms
+    gets them, so their row terms are computed once, not per layer (the caller is not tracing)."""
+    from ..core import length_terms
 
-        length_terms.own(mask.seq_lens_q, mask.seq_lens_kv)
+    length_terms.own(mask.seq_lens_q, mask.seq_lens_kv)
     return mask
 
 
