@@ -37,12 +37,16 @@
 #                                                     # delayed recipe's call captured in a CUDA graph against
 #                                                     # native eager and replayed, with its errors vs fp32) at
 #                                                     # b1 4k, b4 GQA 4k and b1 8k, causal and not
+#   OUT=/tmp/out bash scripts/gpu_pending.sh hfhost   # issue #28's host-bound HF row (l2 d256, padded): the
+#                                                     # step's host time by where the code lives and its
+#                                                     # device syncs (hf_step_profile.py --host), on one
+#                                                     # core (taskset, as run 76 measured 0.60x) and unpinned
 #   OUT=/tmp/out bash scripts/gpu_pending.sh tier     # the engine/provider/reliability/layouts tier
 #                                                     # (run it after swapping in a newer cuDNN: issue #27)
 #
 # Needs nvidia-cudnn-frontend's wheel in .whl/ (docs/gpu-tier.md); FRONTEND (default 1.32.0).
 set -u
-stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|rows|floor|graphed|tier}
+stage=${1:?usage: gpu_pending.sh fp8|shapes|lengths|generate|host|rows|floor|graphed|hfhost|tier}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 fe=${FRONTEND:-1.32.0}
@@ -146,12 +150,19 @@ case "$stage" in
       run "fp8_graphed_b${b}_h${h}kv${hk}_s${s}" python3 scripts/fp8_graphed.py --shape "$shape" --no-causal
     done
     ;;
+  hfhost)
+    core=${CORE:-3}
+    run hf_step_host_one_core taskset -c "$core" python3 scripts/hf_step_profile.py \
+      --case hf_llama_l2_d256_b2_s256_padded --repeats 300 --host 50
+    run hf_step_host_unpinned python3 scripts/hf_step_profile.py --case hf_llama_l2_d256_b2_s256_padded \
+      --repeats 300 --host 50
+    ;;
   tier)
     run tier python3 -m pytest tests/gpu/test_known_issues_gpu.py tests/gpu/test_engine.py tests/gpu/test_provider.py \
       tests/gpu/test_reliability.py tests/gpu/test_layouts.py --gpu -q -p no:cacheprovider -m "gpu and not slow"
     ;;
   *)
-    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, rows, floor, graphed, tier)" >&2
+    echo "gpu_pending: unknown stage $stage (fp8, shapes, lengths, generate, host, rows, floor, graphed, hfhost, tier)" >&2
     exit 2
     ;;
 esac
