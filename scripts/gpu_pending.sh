@@ -151,7 +151,7 @@ case "$stage" in
     done
     ;;
   hfhost)
-    core=${CORE:-3}
+    core=${CORE:-$(( $(nproc) > 3 ? 3 : 0 ))}  # one core (3, as in run 76, where there is one)
     run hf_step_host_one_core taskset -c "$core" python3 scripts/hf_step_profile.py \
       --case hf_llama_l2_d256_b2_s256_padded --repeats 300 --host 50
     run hf_step_host_unpinned python3 scripts/hf_step_profile.py --case hf_llama_l2_d256_b2_s256_padded \

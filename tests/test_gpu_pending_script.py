@@ -72,6 +72,8 @@ def test_an_unknown_stage_is_refused(tmp_path):
     ("graphed", "scripts/fp8_graphed.py --shape 1,32,32,4096,128",
      [f"fp8_graphed_b{b}_h32kv{hk}_s{s}{c}" for b, hk, s in ((1, 32, 4096), (4, 8, 4096), (1, 32, 8192))
       for c in ("_causal", "")]),
+    ("hfhost", "scripts/hf_step_profile.py --case hf_llama_l2_d256_b2_s256_padded",
+     ["hf_step_host_one_core", "hf_step_host_unpinned"]),
     ("tier", "-m pytest tests/gpu/test_known_issues_gpu.py", ["tier"]),
 ])
 def test_a_stage_runs_its_commands_and_logs_each_section(tmp_path, stage, first, sections):
