@@ -11,7 +11,10 @@ lengths 256 and 128), for three kinds of call:
 * ``padded``: the caller's own lengths (every call derives its terms);
 * ``owned``: lengths marked as the package's own (``length_terms.own``), as the transformers
   integration's and ``ops/bias_lengths.py``'s are: every call after the first reuses the terms, so
-  this is what a model's layers after the first issue (its first layer issues about ``padded``'s).
+  this is what a model's layers after the first issue (its first layer issues about ``padded``'s);
+* ``full``: owned lengths whose maker also read on the host that every query length is S and every
+  key length in [1, S] (``length_terms.own(..., full=)``, as the integration's ``padding="auto"`` and
+  ``ops/bias_lengths.py`` state): no row is 0 by definition, so no row fix or dQ fill is issued.
 
 With ``--hf`` (needs transformers), also the aten ops of one training step of that bench case's
 model (2 layers) with ``attn_implementation="sdpa"`` and with the integration's ``"cudnn"``.
@@ -81,8 +84,8 @@ def _attention_call(kind: str):
     go = torch.randn(B, H, S, D, generator=gen)
     lengths = torch.tensor(LENGTHS, dtype=torch.int32)
     full = torch.full_like(lengths, S)
-    if kind == "owned":
-        length_terms.own(full, lengths)
+    if kind in ("owned", "full"):
+        length_terms.own(full, lengths, full=(S, S) if kind == "full" else None)
     padding = {} if kind == "plain" else dict(seq_lens_q=full, seq_lens_kv=lengths)
 
     def call():
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
     _serve_on_cpu()
     print(f"torch {torch.__version__}; csp.attention forward+backward, ({B}, {H}/{H_KV}, {S}, {D}) causal, "
           f"lengths {LENGTHS}; median of {a.rounds} rounds of {a.calls}")
-    for kind in ("plain", "padded", "owned"):
+    for kind in ("plain", "padded", "owned", "full"):
         call = _attention_call(kind)
         for _ in range(20):
             call()

@@ -78,6 +78,9 @@ def test_recognised_lengths_are_marked_as_made_here(lengths):
     for _ in range(2):
         length_terms.get(found.seq_len_q, found.seq_len_kv, ("term",), lambda: calls.append(1))
     assert calls == [1]
+    # what the read found: every query length is S and every key length in [1, S]
+    assert length_terms.full(found.seq_len_q, found.seq_len_kv, 9, 9)
+    assert not length_terms.full(found.seq_len_q, found.seq_len_kv, 9, 10)
 
 
 @pytest.mark.parametrize("fill", [INF, -65504.0, torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min])

@@ -196,6 +196,9 @@ def test_mask_builder_serves_right_padding_and_falls_back_otherwise(hf, case, sl
             for _ in range(2):
                 length_terms.get(built.seq_lens_q, built.seq_lens_kv, ("term",), lambda: made.append(1))
             assert made == [1]
+            # read on the host: every query length is S and every key length in [1, S] -- stated only
+            # without a left bound (a sliding window's query lengths are not S)
+            assert length_terms.full(built.seq_lens_q, built.seq_lens_kv, s, s) is (sliding is None)
         else:
             assert built.seq_lens_q is None and built.seq_lens_kv is None
     else:

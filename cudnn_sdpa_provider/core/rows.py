@@ -13,7 +13,7 @@ import torch
 
 from . import length_terms
 
-__all__ = ["dead_rows", "padded_dead_rows", "safe_lengths", "rows_past", "bad_lengths", "bad_packed_lengths", "paged_guard", "paged_dead_rows", "token_rows", "fill_words", "fill",
+__all__ = ["dead_rows", "padded_dead_rows", "none_dead", "safe_lengths", "rows_past", "bad_lengths", "bad_packed_lengths", "paged_guard", "paged_dead_rows", "token_rows", "fill_words", "fill",
            "padded_lse", "sink_grad_dense", "sink_grad_packed", "new_philox"]
 
 
@@ -46,6 +46,15 @@ def padded_dead_rows(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q,
     forward's mask serves its backward and the other layers' calls."""
     return length_terms.get(seq_len_q, seq_len_kv, ("dead", s_q, s_kv, window, bottom_right), lambda: dead_rows(
         s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, device))
+
+
+def none_dead(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q, seq_len_kv) -> bool:
+    """Whether a padded call is known, with no device work, to have no row that is 0 by definition
+    and no length out of range (its ``safe_lengths`` flag all False): its lengths' maker read that
+    every query length is S_q and every key length is in [1, S_kv] (``length_terms.full``), and the
+    mask is top-left with no left bound, so every query row is real and sees key 0, which every
+    sequence has. Such a call needs no forward row fix and no dQ row fill."""
+    return window[0] < 0 and not bottom_right and length_terms.full(seq_len_q, seq_len_kv, s_q, s_kv)
 
 
 def safe_lengths(seq_len_q, seq_len_kv, s_q: int, s_kv: int):

@@ -112,6 +112,8 @@ def _fix_rows(out, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, s_kv
     if seq_len_q is None:
         out.masked_fill_(rows.dead_rows(out.shape[2], s_kv, window, bottom_right, device=out.device), 0)
         return
+    if rows.none_dead(out.shape[2], s_kv, window, bottom_right, seq_len_q, seq_len_kv):
+        return
 
     def make():
         dead = rows.padded_dead_rows(out.shape[2], s_kv, window, bottom_right, seq_len_q, seq_len_kv, out.device)
@@ -421,8 +423,9 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
                                          None if seq_len_q is None else (safe_q, safe_kv))
         if seq_len_q is not None:  # rows past the lengths are 0; a batch row with bad lengths is NaN
             _zero_dead_grads(dq, dk, dv, found, window, bottom_right, seq_len_q, seq_len_kv)
-            for g in (dq, dk, dv):  # (its folds were given length 0: cuDNN wrote nothing there)
-                g.masked_fill_(bad, float("nan"))
+            if not rows.none_dead(q.shape[2], k.shape[2], window, bottom_right, seq_len_q, seq_len_kv):
+                for g in (dq, dk, dv):  # (its folds were given length 0: cuDNN wrote nothing there)
+                    g.masked_fill_(bad, float("nan"))
         return dq, dk, dv, None
     qr, kr, vr, outr, do, lse_in = q, k, v, out, grad_out, lse
     if found.fix:
@@ -477,7 +480,8 @@ def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, se
             if dead is not None:
                 dq.masked_fill_(dead, 0)
         return
-    dq.masked_fill_(rows.padded_dead_rows(s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, dq.device), 0)
+    if not rows.none_dead(s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv):
+        dq.masked_fill_(rows.padded_dead_rows(s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, dq.device), 0)
     past_kv = length_terms.get(seq_len_q, seq_len_kv, ("past", s_kv), lambda: rows.rows_past(seq_len_kv, s_kv))
     dk.masked_fill_(past_kv, 0)
     dv.masked_fill_(past_kv, 0)

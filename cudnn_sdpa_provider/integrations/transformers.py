@@ -294,18 +294,20 @@ def build_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     right, none = torch.stack([right_padded, no_padding]).tolist()  # the one device read
     if none:
         return served
-    if right and lengths_apply:
-        return _owned(padded)
+    if right and lengths_apply:  # read here: every key length in [1, kv_length]
+        return _owned(padded, full=(q_length, kv_length) if window[0] < 0 else None)
     return _unserved(materialize, "a padding mask that is not right padding" if lengths_apply else
                      "padding together with a cache offset (cuDNN aligns padded rows per sequence)")
 
 
-def _owned(mask: CudnnMask) -> CudnnMask:
+def _owned(mask: CudnnMask, full: tuple[int, int] | None = None) -> CudnnMask:
     """``mask``, its lengths marked as made here (core/length_terms.py): every layer of the forward
-    gets them, so their row terms are computed once, not per layer (the caller is not tracing)."""
+    gets them, so their row terms are computed once, not per layer (the caller is not tracing).
+    ``full``: (S_q, S_kv) where the caller read that every key length is in [1, S_kv] and the query
+    lengths are S_q (``length_terms.own``)."""
     from ..core import length_terms
 
-    length_terms.own(mask.seq_lens_q, mask.seq_lens_kv)
+    length_terms.own(mask.seq_lens_q, mask.seq_lens_kv, full=full)
     return mask
 
 

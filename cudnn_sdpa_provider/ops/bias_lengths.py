@@ -112,7 +112,8 @@ def recognise(bias, q: torch.Tensor, k: torch.Tensor) -> Padding | None:
     if found.seq_len_kv.shape[0] != q.shape[0]:  # a bias broadcast over the batch
         lengths = found.seq_len_kv.expand(q.shape[0]).contiguous()
         found = Padding(found.window, torch.full_like(lengths, q.shape[2]), lengths)
-    length_terms.own(found.seq_len_q, found.seq_len_kv)  # made here: the forward and its backward share row terms
+    # made here: the forward and its backward share row terms; _read read every length in [1, S]
+    length_terms.own(found.seq_len_q, found.seq_len_kv, full=(q.shape[2], k.shape[2]))
     return found
 
 
