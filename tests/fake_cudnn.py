@@ -20,6 +20,8 @@ import torch
 from cudnn_sdpa_provider.engine import folded, graphs, machine
 from cudnn_sdpa_provider.ops import fp8_reference, reference
 from cudnn_sdpa_provider.core import support
+# bound here, not looked up on the module: tests count the engine's calls of these
+from cudnn_sdpa_provider.core.rows import dead_rows as _dead_rows, rows_past as _rows_past
 from cudnn_sdpa_provider.engine.graphs import UID, BwdKey, Fp8Key
 
 HOPPER = support.Capabilities(cuda=True, compute_capability=(9, 0), cudnn_version=91900, frontend_version="1.32.0",
@@ -156,7 +158,7 @@ class FakeGraph:
             kk, v = self._pages(b, kk, v, lk)
         out, lse = reference.dense(q, kk, v, scale=k.scale, window=k.window, bottom_right=k.bottom_right, sinks=sinks,
                                    bias=bias, seq_len_q=lq, seq_len_kv=lk, compute_dtype=torch.float64)
-        self._dense(b[UID.O], k.o).copy_(out)
+        self._dense(b[UID.O], k.o).copy_(self._unspecified(out, lq, lk, kk.shape[2]))
         if k.lse is not None:
             self._dense(b[UID.LSE], k.lse).copy_(lse)
 
@@ -214,8 +216,20 @@ class FakeGraph:
         dq, dk, dv, _ = reference.dense_backward(do, q, kk, v, scale=k.scale, window=k.window,
                                                  bottom_right=k.bottom_right, sinks=sinks, bias=bias, seq_len_q=lq,
                                                  seq_len_kv=lk, compute_dtype=torch.float64)
+        if lq is not None:  # keys past a sequence's length: unspecified too (the engine zeroes them)
+            past = _rows_past(lk, kk.shape[2])
+            dk, dv = dk.masked_fill(past, float("nan")), dv.masked_fill(past, float("nan"))
+        dq = self._unspecified(dq, lq, lk, kk.shape[2])
         for uid, d, g in ((UID.DQ, k.dq, dq), (UID.DK, k.dk, dk), (UID.DV, k.dv, dv)):
             self._dense(b[uid], d).copy_(g)
+
+    def _unspecified(self, rows_of_q, lq, lk, s_kv: int):
+        """A padded call's query rows that are 0 by definition made NaN: cuDNN leaves them
+        unspecified (NaN before 9.25), and the engine, not cuDNN, makes them 0."""
+        if lq is None:
+            return rows_of_q
+        dead = _dead_rows(rows_of_q.shape[2], s_kv, self.key.window, self.key.bottom_right, lq, lk)
+        return rows_of_q.masked_fill(dead, float("nan"))
 
     def _accumulator_bound(self, b, lq, lk):
         """With ``max_total_seq_len_q/kv`` cuDNN sizes its fp32 dQ accumulator (and GQA's full-head

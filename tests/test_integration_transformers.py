@@ -223,6 +223,8 @@ def test_padding_right_policy_asserts_on_the_device_instead_of_guessing(hf):
         built = mu.create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=_mask(["1111", "1100"]),
                                       **_no_cache(mu.create_causal_mask))
         assert isinstance(built, csp_hf.CudnnMask) and built.seq_lens_kv.tolist() == [4, 2]
+        # nothing read on the host: no word that every row is live (core/length_terms.full)
+        assert not length_terms.full(built.seq_lens_q, built.seq_lens_kv, 4, 4)
         with pytest.raises(RuntimeError, match="not right-padded"):
             mu.create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=_mask(["1111", "0011"]),
                                   **_no_cache(mu.create_causal_mask))

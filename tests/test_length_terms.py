@@ -316,6 +316,8 @@ def test_none_dead_holds_only_where_no_row_is_dead_and_no_length_is_out_of_range
         for _ in range(20):
             lk = torch.randint(1, s_kv + 1, (4,), generator=gen, dtype=torch.int32)
             lq = torch.full_like(lk, s_q)
+            length_terms.own(lq, lk)
+            assert not rows.none_dead(s_q, s_kv, window, bottom_right, lq, lk), "not without the maker's word"
             length_terms.own(lq, lk, full=(s_q, s_kv))
             if not rows.none_dead(s_q, s_kv, window, bottom_right, lq, lk):
                 continue
