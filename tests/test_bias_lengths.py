@@ -303,9 +303,13 @@ def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(c
     graphs.clear_cache()  # the bucket's graphs are built here, whatever ran before
     seen = _engine_spy(monkeypatch)
     reads = _counted_reads(monkeypatch)
-    range_checks = []  # the lengths' row terms (core/length_terms.py): made by the forward, kept for its backward
+    range_checks = []  # none: the read found every length in range (length_terms.own(..., full=))
     real_check = rows.bad_lengths
     monkeypatch.setattr(rows, "bad_lengths", lambda *a: range_checks.append(1) or real_check(*a))
+    made = []  # the lengths' row terms (core/length_terms.py): made by the forward, kept for its backward
+    real_get = length_terms.get
+    monkeypatch.setattr(length_terms, "get", lambda lq, lk, key, make: real_get(
+        lq, lk, key, lambda: made.append(key[0]) or make()))
     kernels = overrides._Dense(_Original(), _Original())
     before = counters.stats()
     for s, lengths in ((40, [40, 17, 3]), (45, [45, 44, 1]), (57, [20, 57, 30])):  # one length bucket
@@ -327,7 +331,8 @@ def test_the_override_serves_a_padding_mask_as_lengths_with_the_bias_s_answers(c
     window = (-1, 0) if causal else (-1, -1)
     assert seen == [("forward", False, True, window), ("backward", False, True, window)] * 3
     assert len(reads) == 3, "each backward ran what its forward ran, without reading the mask again"
-    assert len(range_checks) == 3, "each backward took its forward's row terms"
+    assert made.count("safe") == 3, "each backward took its forward's lengths for cuDNN"
+    assert range_checks == [], "lengths the read found in range are not checked again on the device"
     region = counters.stats() - before
     assert region.served["dense_fwd"] == 3 and region.served["dense_bwd"] == 3
     assert region.builds["built"] == 2, "one forward and one backward graph for the bucket's three lengths"

@@ -226,10 +226,10 @@ def test_the_padded_host_script_counts_fewer_launches_for_owned_lengths():
 
 def test_the_transformers_integration_computes_its_row_terms_once_per_forward():
     """scripts/padded_host_cpu.py --hf: a 2-layer HF training step through the integration issues at
-    most 30 aten ops more than the same step on sdpa (the mask builder, the out-of-range check and
-    the keys past each length once, no row fix: 1 more on the stand-in, results/cpu-padded-host.txt;
-    with the row fix and the dead rows, 26 more; with every term at every layer's forward and backward,
-    121)."""
+    most 30 aten ops more than the same step on sdpa (the mask builder and the keys past each length
+    once, no range check or row fix: 9 fewer on the stand-in, results/cpu-padded-host.txt; with the
+    range check, the row fix and the dead rows, 26 more; with every term at every layer's forward and
+    backward, 121)."""
     pytest.importorskip("transformers")
     script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "padded_host_cpu.py"
     done = subprocess.run([sys.executable, str(script), "--calls", "1", "--rounds", "1", "--hf"], capture_output=True,
@@ -307,9 +307,10 @@ def test_full_answers_only_what_the_maker_stated_while_it_holds(monkeypatch):
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (-1, 3), (0, 0), (2, 0), (2, -1), (1, 1)])
 def test_none_dead_holds_only_where_no_row_is_dead_and_no_length_is_out_of_range(window, bottom_right):
     """Over random lengths that satisfy a ``full`` statement (query lengths S_q, key lengths in
-    [1, S_kv]), S_q both below and above S_kv: where ``rows.none_dead`` says so, the rows ``dead_rows``
-    computes on the device are all live and ``bad_lengths`` is all False; and it does say so for every
-    top-left window without a left bound (the transformers integration's causal and full masks)."""
+    [1, S_kv]), S_q both below and above S_kv: ``bad_lengths`` is all False, so ``safe_lengths`` may
+    give them as they are; where ``rows.none_dead`` says so, the rows ``dead_rows`` computes on the
+    device are all live; and it does say so for every top-left window without a left bound (the
+    transformers integration's causal and full masks)."""
     gen = torch.Generator().manual_seed(11)
     said = 0
     for s_q, s_kv in ((7, 7), (5, 9), (9, 5), (1, 6), (6, 1)):
@@ -319,19 +320,21 @@ def test_none_dead_holds_only_where_no_row_is_dead_and_no_length_is_out_of_range
             length_terms.own(lq, lk)
             assert not rows.none_dead(s_q, s_kv, window, bottom_right, lq, lk), "not without the maker's word"
             length_terms.own(lq, lk, full=(s_q, s_kv))
+            safe_q, safe_kv, bad = rows.safe_lengths(lq, lk, s_q, s_kv)  # given as they are: in range
+            assert safe_q is lq and safe_kv is lk and not bad.any()
+            assert not rows.bad_lengths(lq, lk, s_q, s_kv).any()
             if not rows.none_dead(s_q, s_kv, window, bottom_right, lq, lk):
                 continue
             said += 1
             dead = rows.dead_rows(s_q, s_kv, window, bottom_right, lq, lk)
             assert not dead.any(), (s_q, s_kv, lk.tolist())
-            assert not rows.bad_lengths(lq, lk, s_q, s_kv).any()
     assert said == (100 if window[0] < 0 and not bottom_right else 0)
 
 
 def test_a_full_pair_skips_the_dead_rows_and_matches_the_unmarked_call(fake, monkeypatch):
-    """Layers on a pair whose maker stated ``full``: the dead-row mask is never computed (no forward
-    row fix, no dQ fill), the out-of-range check runs once and the keys past each length once, and
-    every answer and gradient is that of the same call on lengths nobody marked."""
+    """Layers on a pair whose maker stated ``full``: neither the dead-row mask (no forward row fix, no
+    dQ fill) nor the out-of-range check is computed, the keys past each length once, and every
+    answer and gradient is that of the same call on lengths nobody marked."""
     calls = _counting(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     b, h, s, d = 3, 2, 9, 8
@@ -348,4 +351,4 @@ def test_a_full_pair_skips_the_dead_rows_and_matches_the_unmarked_call(fake, mon
         for name, x, y in zip(("out", "dq", "dk", "dv"), marked, plain):
             assert torch.equal(x, y), (name, window)
         assert (marked[2][1, :, 4:] == 0).all() and (marked[3][2, :, 1:] == 0).all(), "keys past the length"
-    assert calls == {"bad_lengths": 1, "rows_past": 1}, calls
+    assert calls == {"rows_past": 1}, calls

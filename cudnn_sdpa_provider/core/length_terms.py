@@ -29,8 +29,9 @@ A maker that has read its lengths on the host may also state, with ``own(..., fu
 that every query length is S_q and every key length is in [1, S_kv] (the transformers
 integration's ``padding="auto"`` and ``ops/bias_lengths.py`` read exactly that before they serve
 lengths). ``full`` answers it under the same conditions as ``get``, the stream aside (a fact about
-values read on the host is no term on a stream): ``core/rows.none_dead`` then knows, with no device
-work, that no row is 0 by definition and no length is out of range.
+values read on the host is no term on a stream): ``core/rows.py`` then gives cuDNN those lengths as
+they are (``safe_lengths``) and, with ``none_dead``, knows with no device work that no row is 0 by
+definition.
 """
 
 from __future__ import annotations

@@ -60,11 +60,15 @@ def none_dead(s_q: int, s_kv: int, window, bottom_right: bool, seq_len_q, seq_le
 def safe_lengths(seq_len_q, seq_len_kv, s_q: int, s_kv: int):
     """(lengths cuDNN is given, bad): a batch row whose lengths are outside [0, S] is given lengths 0,
     so cuDNN computes nothing for it, and ``bad`` (B, 1, 1, 1) makes its output NaN afterwards;
-    (None, None, None) without lengths. Kept on lengths the package made (``length_terms``)."""
+    (None, None, None) without lengths. Kept on lengths the package made (``length_terms``); lengths
+    whose maker read them in range (``length_terms.full``) are given as they are, with ``bad`` all False."""
     if seq_len_q is None:
         return None, None, None
 
     def make():
+        if length_terms.full(seq_len_q, seq_len_kv, s_q, s_kv):
+            return seq_len_q, seq_len_kv, torch.zeros((seq_len_q.shape[0], 1, 1, 1), dtype=torch.bool,
+                                                      device=seq_len_q.device)
         bad = bad_lengths(seq_len_q, seq_len_kv, s_q, s_kv)
         flat = bad.view(-1)
         return torch.where(flat, 0, seq_len_q), torch.where(flat, 0, seq_len_kv), bad
