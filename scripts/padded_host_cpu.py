@@ -5,7 +5,7 @@ A padded call (per-sequence lengths) derives row terms from its lengths on the d
 (``core/length_terms.py``). This counts the top-level aten ops (each a kernel launch on a GPU)
 and times the Python of one forward+backward through ``csp.attention`` at the bench's
 ``hf_llama_l2_d256_b2_s256_padded`` attention shape ((2, 4/1, 256, 64), token-major, causal,
-lengths 256 and 128), for three kinds of call:
+lengths 256 and 128), for four kinds of call:
 
 * ``plain``: no lengths;
 * ``padded``: the caller's own lengths (every call derives its terms);
