@@ -139,20 +139,30 @@ def main() -> int:
     s = inputs.make_sets(case)[0]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {case.name}, lengths {list(case.seq_lens)}, "
           f"median of {args.repeats} steps, kernels over {args.steps} profiled steps", flush=True)
-    rows = {}
-    for path in ("native", "provider_hf"):
+    # Every step time first, before any profiler runs in this process: a torch.profiler session
+    # slows every later step (GPU run 77: about 20% on one core), which would count against the
+    # path measured after it.
+    paths_ = ("native", "provider_hf")
+    steps, times = {}, {}
+    for path in paths_:
         m = Measurement(path=path)
         step = paths.step(case, "fwd_bwd", path)
         with paths.scope(m, {}):
             s.model(paths.HF_IMPLEMENTATION[path])
-            fn = lambda: step(s)  # noqa: E731
+            fn = lambda step=step: step(s)  # noqa: E731
             fn()
-            ms = cuda_timer(fn, warmup=2, repeats=args.repeats)
-            attn, other, names = _device_split(fn, args.steps)
-            if args.host:
-                _host(path, fn, args.host)
-        rows[path] = (ms, attn, other)
+            times[path] = cuda_timer(fn, warmup=2, repeats=args.repeats)
         assert path == "native" or (m.served > 0 and not m.fallback), (m.served, m.fallback)
+        steps[path] = fn
+    rows = {}
+    for path in paths_:
+        m = Measurement(path=path)
+        with paths.scope(m, {}):
+            attn, other, names = _device_split(steps[path], args.steps)
+            if args.host:
+                _host(path, steps[path], args.host)
+        rows[path] = (times[path], attn, other)
+        ms = times[path]
         print(f"{path:12s} step {ms:8.3f} ms | device: attention {attn:7.3f} ms, other {other:8.3f} ms "
               f"(attention {100 * attn / (attn + other):4.1f}%)", flush=True)
         for name, t in sorted(names.items(), key=lambda kv: -kv[1])[:6]:
