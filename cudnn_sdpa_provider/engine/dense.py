@@ -422,8 +422,9 @@ def backward(grad_out, q, k, v, out, lse, *, scale: float, window=(-1, -1), bott
         dq, dk, dv = folded.run_backward(found, grad_out, q, k, v, out, lse,
                                          None if seq_len_q is None else (safe_q, safe_kv))
         if seq_len_q is not None:  # rows past the lengths are 0; a batch row with bad lengths is NaN
-            _zero_dead_grads(dq, dk, dv, found, window, bottom_right, seq_len_q, seq_len_kv)
-            if not rows.none_dead(q.shape[2], k.shape[2], window, bottom_right, seq_len_q, seq_len_kv):
+            none_dead = rows.none_dead(q.shape[2], k.shape[2], window, bottom_right, seq_len_q, seq_len_kv)
+            _zero_dead_grads(dq, dk, dv, found, window, bottom_right, seq_len_q, seq_len_kv, none_dead)
+            if not none_dead:
                 for g in (dq, dk, dv):  # (its folds were given length 0: cuDNN wrote nothing there)
                     g.masked_fill_(bad, float("nan"))
         return dq, dk, dv, None
@@ -472,7 +473,9 @@ def _bind_backward(grad_out, q, k, v, out, lse, bias, sinks, seq_len_q, philox, 
                    fix=any(repair))
 
 
-def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, seq_len_kv) -> None:
+def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, seq_len_kv, none_dead=None) -> None:
+    """Zero dQ's dead query rows and dK/dV past each key length. ``none_dead``: the caller's answer of
+    ``rows.none_dead`` for these lengths, where it has one (asked here otherwise)."""
     s_q, s_kv = dq.shape[2], dk.shape[2]
     if seq_len_q is None:
         if b.extra["dead"]:
@@ -480,7 +483,9 @@ def _zero_dead_grads(dq, dk, dv, b: Binding, window, bottom_right, seq_len_q, se
             if dead is not None:
                 dq.masked_fill_(dead, 0)
         return
-    if not rows.none_dead(s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv):
+    if none_dead is None:
+        none_dead = rows.none_dead(s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv)
+    if not none_dead:
         dq.masked_fill_(rows.padded_dead_rows(s_q, s_kv, window, bottom_right, seq_len_q, seq_len_kv, dq.device), 0)
     past_kv = length_terms.get(seq_len_q, seq_len_kv, ("past", s_kv), lambda: rows.rows_past(seq_len_kv, s_kv))
     dk.masked_fill_(past_kv, 0)
