@@ -16,7 +16,8 @@
 #                                                     # hf_dynamic_padding under enable() (its builds), and
 #                                                     # the right-padded HF model tests (length_terms)
 #   OUT=/tmp/out bash scripts/gpu_pending.sh generate # issue #28, the rest of "shapes" in one call: decode
-#                                                     # calls, hf_generate (four paths, batch 8 and 1),
+#                                                     # calls, the bare decode graphs (decode_rows_probe.py,
+#                                                     # batch 8 and 1), hf_generate (four paths, batch 8 and 1),
 #                                                     # hf_dynamic_padding (three paths), each in this
 #                                                     # process's children as bench_shapes.py runs them
 #   OUT=/tmp/out bash scripts/gpu_pending.sh host     # issues #28 and #30 in one short call: the FP8 host
@@ -105,6 +106,9 @@ case "$stage" in
     ;;
   generate)
     run decode_calls python3 scripts/decode_profile.py calls --steps 64
+    for batch in 8 1; do  # a KV group's query heads as query rows against today's fold and the exact graph
+      run "decode_rows_probe_$batch" python3 scripts/decode_rows_probe.py --shape "$batch,32,8,128"
+    done
     for batch in 8 1; do
       for path in provider cudnn native flash; do
         run "hf_generate_${path}_$batch" python3 scripts/bench_shapes.py hf_generate "$path" "$batch"

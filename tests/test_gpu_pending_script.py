@@ -60,7 +60,7 @@ def test_an_unknown_stage_is_refused(tmp_path):
     ("lengths", "-m pytest tests/gpu/test_shapes.py", ["shapes_tests", "new_length_provider", "new_length_native",
                                                        "new_length_flash", "new_length_breakdown",
                                                        "hf_dynamic_padding_provider", "hf_models_padded"]),
-    ("generate", "scripts/decode_profile.py calls", ["decode_calls"]
+    ("generate", "scripts/decode_profile.py calls", ["decode_calls", "decode_rows_probe_8", "decode_rows_probe_1"]
      + [f"hf_generate_{p}_{b}" for b in (8, 1) for p in ("provider", "cudnn", "native", "flash")]
      + [f"hf_dynamic_padding_{p}" for p in ("provider", "cudnn", "native")]),
     ("host", "scripts/fp8_host_breakdown.py", ["fp8_host_breakdown", "fp8_gqa_bwd_probe", "new_length_segments",
